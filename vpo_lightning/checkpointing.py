@@ -1,0 +1,78 @@
+"""Checkpoints that are never half-written, each with the adapter exported in the standard PEFT format.
+
+A checkpoint is written to a temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a kill at
+any moment leaves either the previous complete file or the new complete file. The adapter directory beside it is
+written the same way (temporary directory, then rename), and loads with ``PeftModel.from_pretrained`` and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+from weakref import proxy
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+def export_adapter(policy: Any, out_dir: str | Path) -> Path:
+    """Save a PEFT adapter to ``out_dir`` atomically (temp dir, then rename over the old one)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+class AdapterCheckpoint(ModelCheckpoint):
+    """Lightning checkpoints (last, and every N steps) written atomically, plus the PEFT adapter beside each.
+
+    Args:
+        dirpath: where checkpoints go (default: checkpoints/<run_name>/).
+        every_n_train_steps: save ``step=N.ckpt`` every this many optimizer steps.
+        save_last: keep ``last.ckpt`` up to date (needed for ``--ckpt_path last``).
+        save_top_k: how many ``step=N.ckpt`` files to keep (-1 = all).
+        export_adapter: also export the adapter in PEFT format to ``adapters/<checkpoint name>/``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int = 50,
+        save_last: bool = True,
+        save_top_k: int = -1,
+        export_adapter: bool = True,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False, every_n_train_steps=every_n_train_steps,
+            save_last=save_last, save_top_k=save_top_k, enable_version_counter=False,
+        )
+        self.export = export_adapter
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        tmp = f"{filepath}.tmp"
+        trainer.save_checkpoint(tmp, self.save_weights_only)
+        if trainer.is_global_zero:
+            os.replace(tmp, filepath)
+            module = trainer.lightning_module
+            if self.export and getattr(module, "uses_lora", False):
+                export_adapter(module.policy, Path(filepath).parent / "adapters" / Path(filepath).stem)
+        trainer.strategy.barrier("adapter_checkpoint")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            shutil.rmtree(Path(filepath).parent / "adapters" / Path(filepath).stem, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""The ``vpo`` command line: LightningCLI over VPOModule + PromptDataModule, with the rollout as its own section.
+
+    vpo fit --config configs/tooluse.yaml                   # train
+    vpo fit --config configs/tooluse.yaml --rollout.group_size 4 --model.optim.lr 1e-4   # dotted overrides
+    vpo fit --config configs/tooluse.yaml --ckpt_path last  # resume checkpoints/<run_name>/last.ckpt
+    vpo fit --help                                          # every argument, with its documentation
+
+Outputs go to ``checkpoints/<run_name>/``: ``config.yaml``, TensorBoard logs, ``last.ckpt``/``step=N.ckpt`` and the
+PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step=N``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from vpo_lightning.checkpointing import AdapterCheckpoint
+from vpo_lightning.datamodule import PromptDataModule
+from vpo_lightning.module import VPOModule
+from vpo_lightning.rollout import RolloutCallback
+
+OUTPUT_ROOT = "checkpoints"
+_QUIET = (  # Lightning warnings that do not apply to this app's design
+    ".*ModelCheckpoint with manual optimization.*",  # checkpoints after the step are what we want
+    ".*module\\(s\\) in eval mode.*",  # dropout-free frozen base modules
+    ".*IterableDataset. has .__len__. defined.*",  # one process, position-aware stream
+    ".*litlogger.*",
+    ".*is_gradient_checkpointing.*",
+)
+_SUBCOMMANDS_WITH_RUN = ("fit", "validate", "test")
+
+
+class VPOCLI(LightningCLI):
+    """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_name", type=str, default="vpo", help="outputs go to checkpoints/<run_name>/")
+        parser.add_lightning_class_args(RolloutCallback, "rollout")
+        parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
+        parser.link_arguments("model.model.name", "data.tokenizer")
+        parser.set_defaults({
+            "trainer.max_steps": 100,
+            "trainer.log_every_n_steps": 1,
+            "trainer.num_sanity_val_steps": 0,
+            "trainer.enable_model_summary": False,
+            "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
+            "trainer.callbacks": [{"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+                                  {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+            "trainer.check_val_every_n_epoch": None,
+            "trainer.val_check_interval": 50,
+        })
+
+    def before_instantiate_classes(self) -> None:
+        """Route every output under checkpoints/<run_name>/."""
+        cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        run_dir = str(Path(OUTPUT_ROOT) / cfg["run_name"])
+        cfg["trainer"]["default_root_dir"] = run_dir
+        logger = cfg["trainer"].get("logger")
+        for lg in logger if isinstance(logger, list) else [logger]:
+            if lg is not None and not isinstance(lg, bool) and "TensorBoardLogger" in str(lg.get("class_path", "")):
+                lg["init_args"]["save_dir"], lg["init_args"]["name"] = OUTPUT_ROOT, cfg["run_name"]
+                lg["init_args"]["version"] = ""
+        if not cfg["checkpoint"].get("dirpath"):
+            cfg["checkpoint"]["dirpath"] = run_dir
+        if self.subcommand == "fit" and cfg.get("ckpt_path") == "last":
+            cfg["ckpt_path"] = _last_checkpoint(run_dir)
+
+    def before_fit(self) -> None:
+        """Print the effective configuration at start (it is also saved as config.yaml beside the outputs)."""
+        if self.trainer.is_global_zero:
+            text = self._parser("fit").dump(self.config["fit"], skip_none=False, skip_check=True)
+            print("Effective configuration:\n" + text, flush=True)
+
+
+def _last_checkpoint(run_dir: str) -> str:
+    path = Path(run_dir) / "last.ckpt"
+    if not path.is_file():
+        raise SystemExit(f"--ckpt_path last: no {path} yet (nothing to resume); drop --ckpt_path to start fresh")
+    return str(path)
+
+
+def main(args: list[str] | None = None) -> Any:
+    """Entry point of the ``vpo`` console script."""
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] in ("eval", "compare", "plan", "serve", "search"):
+        from vpo_lightning import tools
+
+        return tools.main(argv)
+    VPOCLI(
+        VPOModule,
+        PromptDataModule,
+        args=args,
+        parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
+        save_config_kwargs={"overwrite": True},
+        subclass_mode_model=False,
+        subclass_mode_data=False,
+    )
+    return None
+
+
+if __name__ == "__main__":
+    main()

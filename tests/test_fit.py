@@ -1,0 +1,80 @@
+"""`vpo fit` end to end: the debug config (default tier), resume from last, and the embedded model (slow)."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+import torch
+
+from vpo_lightning.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fit(tmp_path: Path, monkeypatch, *extra: str) -> Path:
+    monkeypatch.chdir(tmp_path)
+    data = str(REPO / "data/tooluse/val.jsonl")
+    main(["fit", "--config", str(REPO / "configs/debug.yaml"), f"--data.train_files=[{data}]",
+          f"--data.val_files=[{data}]", *extra])
+    return tmp_path / "checkpoints" / "debug"
+
+
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for f in sorted(glob.glob(str(run / "events.out.tfevents.*"))):
+        ea = EventAccumulator(f)
+        ea.Reload()
+        for tag in ea.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in ea.Scalars(tag))
+    return out
+
+
+def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
+    run = _fit(tmp_path, monkeypatch)
+    assert (run / "config.yaml").is_file() and (run / "last.ckpt").is_file()
+    scalars = _scalars(run)
+    for tag in ("train/reward/format", "train/reward/arg_value", "train/reward/set", "train/kl", "train/clip_frac",
+                "train/entropy", "train/frac_zero_std_groups", "train/chains/parse_rate", "train/rollout/tokens_per_s",
+                "train/peak_rss_gb", "train/diversity/within_group", "val/reward/format"):
+        assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
+    ckpt = torch.load(run / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2
+    assert all("lora_" in k for k in ckpt["state_dict"])  # only the adapter is stored
+    assert ckpt["PromptDataModule"]["position"] == 2
+
+    from peft import PeftModel
+
+    from vpo_lightning.models import ModelSettings, load_base_model
+
+    base = load_base_model(ModelSettings(name="tiny-llama", dtype="fp32"))
+    PeftModel.from_pretrained(base, str(run / "adapters" / "last"))  # standard PEFT format
+
+    _fit(tmp_path, monkeypatch, "--trainer.max_steps=3", "--ckpt_path=last")
+    ckpt = torch.load(run / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3 and ckpt["PromptDataModule"]["position"] == 3
+    steps = [s for s, _ in _scalars(run)["train/loss"]]
+    assert sorted(steps) == [0, 1, 2], steps  # the resumed run logged only the new step
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="nothing to resume"):
+        _fit(tmp_path, monkeypatch, "--ckpt_path=last")
+
+
+@pytest.mark.slow
+def test_embedded_model_fit_few_steps(tmp_path, monkeypatch):
+    """The embedded SmolLM2-135M, G = 8, m = 3, a few steps: logs, saves a reloadable adapter, resumes."""
+    run = _fit(tmp_path, monkeypatch, "--model.model.name=smollm2-135m", "--model.model.dtype=bf16",
+               "--rollout.group_size=8", "--data.batch_size=1", "--rollout.sampling.max_new_tokens=64",
+               "--trainer.max_steps=2", "--model.optim.micro_batch_size=8")
+    scalars = _scalars(run)
+    assert scalars["train/rollout/tokens_per_s"][-1][1] > 0
+    print({k: v[-1][1] for k, v in scalars.items() if k.startswith("train/")})
+    _fit(tmp_path, monkeypatch, "--model.model.name=smollm2-135m", "--model.model.dtype=bf16",
+         "--rollout.group_size=8", "--data.batch_size=1", "--rollout.sampling.max_new_tokens=64",
+         "--trainer.max_steps=3", "--model.optim.micro_batch_size=8", "--ckpt_path=last")
+    assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 3

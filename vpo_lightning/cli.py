@@ -51,7 +51,7 @@ class VPOCLI(LightningCLI):
             "trainer.enable_model_summary": False,
             "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
-            "trainer.callbacks": [{"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+            "trainer.callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"},
                                   {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
             "trainer.check_val_every_n_epoch": None,
             "trainer.val_check_interval": 50,

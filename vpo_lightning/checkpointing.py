@@ -7,14 +7,33 @@ written the same way (temporary directory, then rename), and loads with ``PeftMo
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from weakref import proxy
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def pause_point(point: str, step: int | Callable[[], int]) -> None:
+    """Test hook for the kill-and-resume tests; a no-op unless ``VPO_TEST_PAUSE_AT`` is ``"<point>@<step>"``.
+
+    Then the process writes that string to ``$VPO_TEST_PAUSE_FILE`` and sleeps (``$VPO_TEST_PAUSE_S`` seconds, default
+    600) so that a test can SIGKILL it at a known point: ``generate``, ``optimizer_step`` (after ``opt.step()``,
+    before the scheduler step) and ``checkpoint:<file name>`` (temp file written, not yet renamed into place).
+    """
+    spec = os.environ.get("VPO_TEST_PAUSE_AT")
+    if not spec or spec != f"{point}@{step() if callable(step) else step}":
+        return
+    Path(os.environ.get("VPO_TEST_PAUSE_FILE", "vpo_paused")).write_text(f"{point}@{step}\n")
+    time.sleep(float(os.environ.get("VPO_TEST_PAUSE_S", "600")))
 
 
 def export_adapter(policy: Any, out_dir: str | Path) -> Path:
@@ -57,9 +76,29 @@ class AdapterCheckpoint(ModelCheckpoint):
         )
         self.export = export_adapter
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Clean up after a run killed while writing: stray temp files, and an adapter caught mid-swap."""
+        super().setup(trainer, pl_module, stage)
+        if not trainer.is_global_zero or not self.dirpath or not Path(self.dirpath).is_dir():
+            return
+        root = Path(self.dirpath)
+        for stray in [*root.glob("*.ckpt.tmp"), *root.glob("adapters/*.tmp")]:
+            log.warning("removing %s, left by an interrupted checkpoint write", stray)
+            if stray.is_dir():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:
+                stray.unlink(missing_ok=True)
+        for old in root.glob("adapters/*.old"):  # killed between the two renames of export_adapter
+            current = old.with_name(old.name[: -len(".old")])
+            if current.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, current)
+
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         tmp = f"{filepath}.tmp"
         trainer.save_checkpoint(tmp, self.save_weights_only)
+        pause_point(f"checkpoint:{Path(filepath).name}", trainer.global_step)
         if trainer.is_global_zero:
             os.replace(tmp, filepath)
             module = trainer.lightning_module

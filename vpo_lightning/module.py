@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
 from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
 from vpo_lightning.rollout import Rollout
@@ -155,14 +156,24 @@ class VPOModule(L.LightningModule):
             return self.completion_logprobs(self.policy, mb, temperature)
 
     # ---- training ---------------------------------------------------------------------------------------------
-    def _mb_weight(self, mb: dict[str, Tensor], ro: Rollout) -> float:
-        """Each micro-batch's share, so that accumulated gradients equal the whole batch's aggregated loss."""
-        if self.loss_settings.aggregation == "token_mean":
-            return float(mb["completion_mask"].sum() / ro.completion_mask.sum().clamp(min=1))
-        if self.loss_settings.aggregation == "sequence_mean":
-            has = (ro.completion_mask.sum(1) > 0).sum().clamp(min=1)
-            return float((mb["completion_mask"].sum(1) > 0).sum() / has)
-        return len(mb["index"]) / ro.completion_mask.shape[0]
+    def _counts(self, completion_mask: Tensor) -> float:
+        """What the aggregation averages over: tokens (token_mean), sequences with tokens, or all sequences."""
+        agg = self.loss_settings.aggregation
+        if agg == "token_mean":
+            return float(completion_mask.sum())
+        if agg == "sequence_mean":
+            return float((completion_mask.sum(1) > 0).sum())
+        return float(completion_mask.shape[0])
+
+    def _normaliser(self, ro: Rollout) -> float:
+        """The whole step's count. Under DDP, which averages gradients over ranks, it is the global count divided
+        by the world size, so the update equals one process seeing every rank's chains."""
+        whole = self._counts(ro.completion_mask)
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            total = self.trainer.strategy.reduce(torch.tensor(whole, device=self.device), reduce_op="sum")
+            whole = float(total) / world
+        return max(whole, 1.0)
 
     def _prepare(self, ro: Rollout) -> list[dict[str, Tensor]]:
         mbs = _micro_batches(ro, self.optim_settings.micro_batch_size)
@@ -186,7 +197,8 @@ class VPOModule(L.LightningModule):
 
     def _backward_pass(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
         totals: dict[str, float] = {}
-        max_len = ro.completion_mask.shape[1]
+        max_len = ro.max_length or ro.completion_mask.shape[1]
+        whole = self._normaliser(ro)
         for mb in mbs:
             logp, ent = self.completion_logprobs(self.policy, mb, ro.temperature, entropy=True)
             old = mb.get("old", logp.detach())
@@ -196,7 +208,7 @@ class VPOModule(L.LightningModule):
                 dual_clip=self.loss_settings.dual_clip, aggregation=self.loss_settings.aggregation,
                 max_length=max_len,
             )
-            w = self._mb_weight(mb, ro)
+            w = self._counts(mb["completion_mask"]) / whole  # this micro-batch's share of the step
             self.manual_backward(loss * w)
             stats = {**stats, "loss": loss, "entropy": masked_mean(ent.detach(), mb["completion_mask"])}
             for k, v in stats.items():
@@ -212,6 +224,7 @@ class VPOModule(L.LightningModule):
             opt.zero_grad(set_to_none=True)
             return False, norm
         opt.step()
+        pause_point("optimizer_step", lambda: self.global_step - 1)  # kill tests: weights updated, scheduler not
         opt.zero_grad(set_to_none=True)
         sched.step()
         return True, norm

@@ -25,6 +25,7 @@ from torch import Tensor
 from vpo_lightning import metrics
 from vpo_lightning.advantages import CHAIN_ESTIMATORS, ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights, set_rewards
 from vpo_lightning.chains import build_instruction, parse_chain
+from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
 from vpo_lightning.models import prompt_token_ids
 from vpo_lightning.rewards import RewardScores, RewardVector
@@ -53,6 +54,7 @@ class Rollout:
     candidate_mask: Tensor  # [N, m]
     texts: list[str]
     temperature: float = 1.0
+    max_length: int = 0  # the generation budget (Dr. GRPO's constant normaliser); 0 = the batch's L
     engine_logprobs: Tensor | None = None  # [N, L] from the engine (vLLM), for the train/inference gap
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -184,6 +186,7 @@ class RolloutCallback(L.Callback):
         prompts = [prompt_token_ids(tok, self._prompt(r, None if weights is None else weights[b]))
                    for b, r in enumerate(records)]
         torch.manual_seed(derive_seed(self.seed, "sample", step, rank))
+        pause_point("generate", step)  # a no-op outside the kill-and-resume tests
         t0 = time.perf_counter()
         gen = self.engine.generate(pl_module, prompts, G, self.sampling)
         gen_time = time.perf_counter() - t0
@@ -202,7 +205,7 @@ class RolloutCallback(L.Callback):
                 engine_lp[i, : len(lp)] = torch.tensor(lp)
         stats = self._metrics(rewards, mask, adv, weights, scores, gen, gen_time)
         return Rollout(ids, attn, comp, P, adv.reshape(-1), scores.rewards, scores.mask, gen.texts,
-                       self.sampling.temperature, engine_lp, stats)
+                       self.sampling.temperature, self.sampling.max_new_tokens, engine_lp, stats)
 
     def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
                  gen: Generation, gen_time: float) -> dict[str, float]:

@@ -26,7 +26,7 @@ class ScriptedEngine(Engine):
     def __init__(self, texts):
         self.texts, self.prompts = texts, []
 
-    def generate(self, module, prompt_ids, group_size, sampling):
+    def generate(self, module, prompt_ids, group_size, sampling, seeds=None):
         self.prompts.append(prompt_ids)
         texts = [self.texts[i % len(self.texts)] for i in range(len(prompt_ids) * group_size)]
         ids = [module.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -64,7 +64,10 @@ class Engine:
     def setup(self, module: Any) -> None:  # noqa: B027 - optional hook
         """Build heavy state (called by the rollout callback's setup hook, never in ``__init__``)."""
 
-    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
+                 seeds: list[int] | None = None) -> Generation:
+        """Sample ``group_size`` completions per prompt (group-contiguous). ``seeds`` (one per prompt) let an engine
+        make each prompt's samples independent of the batch layout."""
         raise NotImplementedError
 
     def sync(self, module: Any) -> None:  # noqa: B027 - optional hook
@@ -110,23 +113,34 @@ class TransformersEngine(Engine):
 
     Args:
         max_batch_size: split the B x G chains into generate calls of at most this many rows (0 = one call).
+        per_prompt_seed: one generate call per prompt, seeded by the prompt's seed, so that what a prompt samples
+            does not depend on which rank or batch it lands in (slower: no batching across prompts).
     """
 
-    def __init__(self, max_batch_size: int = 0) -> None:
-        self.max_batch_size = max_batch_size
+    def __init__(self, max_batch_size: int = 0, per_prompt_seed: bool = False) -> None:
+        self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
 
-    @torch.inference_mode()
-    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
-        model, tok = module.policy, module.tokenizer
+    def _calls(self, prompt_ids: list[list[int]], group_size: int,
+               seeds: list[int] | None) -> list[tuple[list[list[int]], int | None]]:
+        if self.per_prompt_seed and seeds is not None:
+            return [([p] * group_size, s) for p, s in zip(prompt_ids, seeds)]
         rows = [p for p in prompt_ids for _ in range(group_size)]  # N prompts, group-contiguous
         step = self.max_batch_size or len(rows)
+        return [(rows[i : i + step], None) for i in range(0, len(rows), step)]
+
+    @torch.inference_mode()
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
+                 seeds: list[int] | None = None) -> Generation:
+        model, tok = module.policy, module.tokenizer
         was_training = model.training
         model.eval()
         eos = eos_token_ids(model, tok)
         completions: list[list[int]] = []
         try:
-            for start in range(0, len(rows), step):
-                ids, mask = left_pad(rows[start : start + step], tok.pad_token_id, module.device)
+            for rows, seed in self._calls(prompt_ids, group_size, seeds):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                ids, mask = left_pad(rows, tok.pad_token_id, module.device)
                 out = model.generate(
                     input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
                     top_p=sampling.top_p, top_k=sampling.top_k or None, max_new_tokens=sampling.max_new_tokens,
@@ -213,25 +227,30 @@ class VLLMEngine(Engine):
         else:
             raise NotImplementedError("VLLMEngine supports LoRA policies only; set model.lora.enabled=true")
 
-    def sampling_params(self, group_size: int, sampling: SamplingSettings) -> dict[str, Any]:
-        return {
+    def sampling_params(self, group_size: int, sampling: SamplingSettings, seed: int | None = None) -> dict[str, Any]:
+        params = {
             "n": group_size, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k or -1, "max_tokens": sampling.max_new_tokens, "logprobs": 0,
         }
+        if seed is not None:
+            params["seed"] = seed % 2**31
+        return params
 
     def lora_request(self) -> Any:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(f"policy-v{self.lora_version}", self.lora_version, str(self.adapter_path))
 
-    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Generation:
+    def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
+                 seeds: list[int] | None = None) -> Generation:
         from vllm import SamplingParams
 
         if self.enable_sleep_mode:
             self.llm.wake_up()
+        seeds = seeds or [None] * len(prompt_ids)
+        params = [SamplingParams(**self.sampling_params(group_size, sampling, s)) for s in seeds]  # one per prompt
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(**self.sampling_params(group_size, sampling)),
-            lora_request=self.lora_request(), use_tqdm=False,
+            [{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request(), use_tqdm=False,
         )
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)

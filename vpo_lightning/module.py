@@ -269,6 +269,18 @@ class VPOModule(L.LightningModule):
                 "last good state; lower optim.lr, set model.dtype=fp32, or raise optim.max_bad_steps."
             )
 
+    def on_train_end(self) -> None:
+        """Check that every rank ended with the same trainable weights (DDP keeps them in sync; say so if not)."""
+        checksum = torch.tensor(sum(float(p.detach().double().abs().sum()) for p in self.policy.parameters()
+                                    if p.requires_grad), dtype=torch.float64, device=self.device)
+        if self.trainer.world_size > 1:
+            every = self.trainer.strategy.all_gather(checksum).flatten().tolist()
+            if self.trainer.is_global_zero:
+                same = max(every) - min(every) <= 1e-9 * max(1.0, abs(every[0]))
+                (log.info if same else log.warning)(
+                    "trainable weights %s on all %d ranks (checksums %s)", "identical" if same else "DIFFER",
+                    len(every), every)
+
     # ---- validation -------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         ro: Rollout = batch["rollout"]

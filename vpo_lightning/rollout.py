@@ -12,9 +12,11 @@ weights of a prompt group from (seed, step, prompt index), so a resumed run and 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -96,6 +98,8 @@ class RolloutCallback(L.Callback):
         seed: seed from which per-step sampling seeds and per-group weight seeds are derived.
         log_samples_every: write a table of sample completions to TensorBoard every this many steps (0 = never).
         reward_workers: threads for rewards that run subprocesses (code); default: the CPU count.
+        save_completions: append every sampled chain (step, prompt id, text, reward vectors, advantage) to
+            ``<run dir>/completions/rank<r>.jsonl`` for later analysis.
     """
 
     def __init__(
@@ -112,13 +116,14 @@ class RolloutCallback(L.Callback):
         seed: int = 0,
         log_samples_every: int = 10,
         reward_workers: int | None = None,
+        save_completions: bool = False,
     ) -> None:
         _validate(estimator, num_candidates, group_size, num_weights, alpha)
         self.reward_names, self.estimator = list(rewards), estimator
         self.m = num_candidates if estimator in CHAIN_ESTIMATORS else 1
         self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
         self.sampling, self.engine = sampling, engine
-        self.seed, self.log_samples_every = seed, log_samples_every
+        self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
         self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
         self._engine_ready = False
 
@@ -138,6 +143,8 @@ class RolloutCallback(L.Callback):
             trainer.datamodule.mark_consumed(batch["position"])
         if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
             self._log_samples(trainer, batch)
+        if self.save_completions:
+            self._save_completions(trainer, batch)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.engine.sync(pl_module)
@@ -188,7 +195,8 @@ class RolloutCallback(L.Callback):
         torch.manual_seed(derive_seed(self.seed, "sample", step, rank))
         pause_point("generate", step)  # a no-op outside the kill-and-resume tests
         t0 = time.perf_counter()
-        gen = self.engine.generate(pl_module, prompts, G, self.sampling)
+        seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
+        gen = self.engine.generate(pl_module, prompts, G, self.sampling, seeds)
         gen_time = time.perf_counter() - t0
         cands = [self.candidates(t) for t in gen.texts]  # [N][m]
         samples = [r for r in records for _ in range(G)]
@@ -236,6 +244,19 @@ class RolloutCallback(L.Callback):
         out["rollout/mean_length"] = gen.num_tokens / max(1, B * G)
         out["reward/errors"] = float(scores.num_errors)
         return out
+
+    def _save_completions(self, trainer: L.Trainer, batch: dict) -> None:
+        ro: Rollout = batch["rollout"]
+        out = Path(trainer.default_root_dir) / "completions" / f"rank{trainer.global_rank}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a", encoding="utf-8") as fh:
+            for i, text in enumerate(ro.texts):
+                b = i // self.group_size
+                row = {"step": trainer.global_step, "position": batch["position"], "index": batch["indices"][b],
+                       "id": batch["records"][b].get("id"), "text": text, "advantage": float(ro.advantages[i]),
+                       "rewards": [r if ok else None for r, ok in zip(ro.rewards[i].tolist(),
+                                                                       ro.candidate_mask[i].tolist())]}
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _log_samples(self, trainer: L.Trainer, batch: dict) -> None:
         ro: Rollout = batch["rollout"]

@@ -63,7 +63,8 @@ class ModelSettings:
 
     Args:
         name: built-in alias (smollm2-135m), local HF directory, path to a .gguf file, or a hub id.
-        dtype: weight dtype; "auto" = bf16 where the hardware supports it (CUDA with bf16, or CPU), else fp32.
+        dtype: weight dtype; "auto" = bf16 where the hardware computes it natively (CUDA with bf16, or a CPU with
+            AVX512-BF16 / AMX), else fp32 (emulated bf16 on an AVX2 CPU is 5-20x slower than fp32).
         attn_implementation: "sdpa" (default), "eager", or "flash_attention_2" (needs the `flash` extra and CUDA).
         load_in_4bit: QLoRA: load the base in 4-bit NF4 through bitsandbytes (double quantisation).
         bnb_compute_dtype: compute dtype of the 4-bit layers.
@@ -89,13 +90,32 @@ class ModelSettings:
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16).
+
+    Elsewhere (AVX2-only x86, most laptops and small cloud VMs) torch emulates bf16: measured on a 2-core AVX2 EPYC,
+    a 600 x 576 x 1536 linear forward + backward took 0.22 s in fp32 and 4.1 s in bf16.
+    """
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        try:
+            found = caps()
+            return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+        except Exception:  # noqa: BLE001 - a capability probe must never stop a run
+            pass
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def resolve_dtype(dtype: str) -> torch.dtype:
-    """Map a dtype name to torch; "auto" picks bf16 on CPU and bf16-capable CUDA, fp32 otherwise."""
+    """Map a dtype name to torch; "auto" picks bf16 on bf16-capable CUDA and on CPUs with native bf16, else fp32."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def cache_dir() -> Path:

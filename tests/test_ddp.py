@@ -18,7 +18,8 @@ DATA = str(REPO / "data/tooluse/val.jsonl")
 
 def _fit(cwd: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "vpo_lightning.cli", "fit", "--config", str(REPO / "configs/debug.yaml"),
-           f"--run_name={run}", f"--data.train_files=[{DATA}]", "--data.val_files=null", "--trainer.limit_val_batches=0",
+           f"--run_name={run}", f"--data.train_files=[{DATA}]", "--data.val_files=null",
+           "--trainer.limit_val_batches=0",
            "--rollout.save_completions=true", "--rollout.engine.init_args.per_prompt_seed=true",
            "--rollout.log_samples_every=0", "--trainer.accelerator=cpu", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -58,7 +58,8 @@ def test_left_padding_does_not_change_logprobs():
     ids, attn, comp, P = build_rollout_tensors([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]], gen, 1, 2)
     ro = Rollout(ids, attn, comp, P, torch.zeros(2), torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool), [""] * 2)
     lp_pair = module.completion_logprobs(module.policy, _micro_batches(ro, 8)[0], 1.0)
-    alone_ids, alone_attn, alone_comp, Pa = build_rollout_tensors([[5, 6, 7]], Generation([[11, 12, 13]], [""], 3), 1, 2)
+    alone_gen = Generation([[11, 12, 13]], [""], 3)
+    alone_ids, alone_attn, alone_comp, Pa = build_rollout_tensors([[5, 6, 7]], alone_gen, 1, 2)
     alone = Rollout(alone_ids, alone_attn, alone_comp, Pa, torch.zeros(1), torch.zeros(1, 1, 1),
                     torch.ones(1, 1, dtype=torch.bool), [""])
     lp_alone = module.completion_logprobs(module.policy, _micro_batches(alone, 8)[0], 1.0)

@@ -190,7 +190,8 @@ class VLLMEngine(Engine):
             "model": resolve_model_path(settings.name), "enable_lora": settings.lora.enabled,
             "max_lora_rank": self.max_lora_rank, "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_model_len": self.max_model_len, "enable_sleep_mode": self.enable_sleep_mode,
-            "tensor_parallel_size": self.tensor_parallel_size, "dtype": str(resolve_dtype(settings.dtype)).split(".")[-1],
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "dtype": str(resolve_dtype(settings.dtype)).split(".")[-1],
             "enable_prefix_caching": True,  # the G chains of a prompt share its prefix
         }
         if settings.load_in_4bit:

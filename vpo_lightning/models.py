@@ -259,7 +259,9 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     from transformers import AutoModelForCausalLM
 
     _check_attention(settings.attn_implementation)
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(settings.dtype), "attn_implementation": settings.attn_implementation}
+    kwargs: dict[str, Any] = {
+        "dtype": resolve_dtype(settings.dtype), "attn_implementation": settings.attn_implementation,
+    }
     if settings.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(settings)
         kwargs["dtype"] = _DTYPES[settings.bnb_compute_dtype]
@@ -288,7 +290,9 @@ def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool
     return get_peft_model(model, config)
 
 
-def load_policy(settings: ModelSettings, device: torch.device | str | None = None) -> tuple[nn.Module, nn.Module | None]:
+def load_policy(
+    settings: ModelSettings, device: torch.device | str | None = None
+) -> tuple[nn.Module, nn.Module | None]:
     """Load the trainable policy and, for full fine-tuning, a frozen reference copy.
 
     Returns:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-from jsonargparse import lazy_instance
 import torch
+from jsonargparse import lazy_instance
 from torch import Tensor
 
 from vpo_lightning import metrics
@@ -283,7 +283,8 @@ def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: 
         raise ValueError(f"rollout.num_candidates (m) must be >= 1, got {m}")
     if group_size < 2:
         raise ValueError(
-            f"rollout.group_size (G) must be >= 2: every estimator normalises within a group of chains, got {group_size}"
+            f"rollout.group_size (G) must be >= 2: every estimator normalises within a group of chains, "
+            f"got {group_size}"
         )
     if num_weights < 1:
         raise ValueError(f"rollout.num_weights (K) must be >= 1, got {num_weights}")

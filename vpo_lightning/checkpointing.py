@@ -32,7 +32,7 @@ def pause_point(point: str, step: int | Callable[[], int]) -> None:
     spec = os.environ.get("VPO_TEST_PAUSE_AT")
     if not spec or spec != f"{point}@{step() if callable(step) else step}":
         return
-    Path(os.environ.get("VPO_TEST_PAUSE_FILE", "vpo_paused")).write_text(f"{point}@{step}\n")
+    Path(os.environ.get("VPO_TEST_PAUSE_FILE", "vpo_paused")).write_text(spec + "\n")
     time.sleep(float(os.environ.get("VPO_TEST_PAUSE_S", "600")))
 
 
@@ -71,8 +71,9 @@ class AdapterCheckpoint(ModelCheckpoint):
         export_adapter: bool = True,
     ) -> None:
         super().__init__(
-            dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False, every_n_train_steps=every_n_train_steps,
-            save_last=save_last, save_top_k=save_top_k, enable_version_counter=False,
+            dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False,
+            every_n_train_steps=every_n_train_steps, save_last=save_last, save_top_k=save_top_k,
+            enable_version_counter=False,
         )
         self.export = export_adapter
 

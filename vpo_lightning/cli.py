@@ -15,11 +15,14 @@ import logging
 import os
 import sys
 import warnings
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from vpo_lightning import config_check
 from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
@@ -57,9 +60,33 @@ class VPOCLI(LightningCLI):
             "trainer.val_check_interval": 50,
         })
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        saved = [p.exit_on_error for p in parsers]
+        for p in parsers:
+            p.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            if os.environ.get("VPO_DEBUG") or isinstance(args, dict):
+                raise
+            argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+            subcommands = sorted(getattr(self, "_subcommand_parsers", {}))
+            sub = getattr(self, "_subcommand_parsers", {}).get(argv[0]) if argv else None
+            print(config_check.explain_parse_error(str(err), sub, argv, "vpo", subcommands), file=sys.stderr)
+            raise SystemExit(2) from None
+        finally:
+            for p, value in zip(parsers, saved):
+                p.exit_on_error = value
+
     def before_instantiate_classes(self) -> None:
-        """Route every output under checkpoints/<run_name>/."""
+        """Check options that need a GPU or an optional package; route every output under checkpoints/<run_name>/."""
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if self.subcommand in _SUBCOMMANDS_WITH_RUN:
+            problems = config_check.preflight(cfg)
+            if problems:
+                raise ValueError("\n  ".join(problems))
         run_dir = str(Path(OUTPUT_ROOT) / cfg["run_name"])
         cfg["trainer"]["default_root_dir"] = run_dir
         logger = cfg["trainer"].get("logger")
@@ -107,7 +134,7 @@ def main(args: list[str] | None = None) -> Any:
             subclass_mode_model=False,
             subclass_mode_data=False,
         )
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError) as err:
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:
         if os.environ.get("VPO_DEBUG"):
             raise
         print(f"vpo: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)

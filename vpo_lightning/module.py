@@ -11,7 +11,7 @@ import logging
 import math
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning as L
@@ -236,7 +236,11 @@ class VPOModule(L.LightningModule):
         gap = self._engine_gap(ro, mbs) if ro.engine_logprobs is not None else None
         for _ in range(self.optim_settings.num_iterations):
             stats = self._backward_pass(ro, mbs)
-            ok, grad_norm = self._optimizer_step() if math.isfinite(stats["loss"]) else (False, float("nan"))
+            if math.isfinite(stats["loss"]):
+                ok, grad_norm = self._optimizer_step()
+            else:  # drop the non-finite gradients: left in place they would poison the next step's accumulation
+                self.optimizers().zero_grad(set_to_none=True)
+                ok, grad_norm = False, float("nan")
             self._guard(ok, stats)
         trained = float(ro.completion_mask.sum())
         step_time = time.perf_counter() - t0

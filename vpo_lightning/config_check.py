@@ -1,0 +1,204 @@
+"""Configuration errors that say what to change: unknown keys with the closest known ones, and machine checks.
+
+jsonargparse rejects a misspelled key with ``unrecognized arguments`` (command line) or ``does not accept option``
+(YAML), after a page of usage text. :func:`find_unknown_keys` finds the offending keys on the command line and in
+every ``--config`` file and names the closest valid keys (``difflib``); ``VPOCLI.parse_arguments`` prints that
+instead of the usage. :func:`preflight` checks options that need a package or hardware this machine may lack (a GPU
+accelerator, flash-attention, vLLM) before anything heavy is loaded, and says what to install or what to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
+_SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
+_GROUP_ACTIONS = ("_ActionConfigLoad",)  # "--rollout CONFIG": a section, not a leaf
+
+
+@dataclass(frozen=True)
+class UnknownKey:
+    """A key no parser option matches: where it was given and the closest known keys."""
+
+    key: str
+    where: str  # "the command line" or a config file path
+    suggestions: tuple[str, ...] = ()
+
+    def message(self) -> str:
+        hint = ""
+        if self.suggestions:
+            hint = " Did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?"
+        return f"unknown key {self.key!r} in {self.where}.{hint}"
+
+
+def known_keys(parser: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """``(leaves, sections)`` of a jsonargparse parser: settable dotted keys, and the sections above them."""
+    leaves: set[str] = set()
+    sections: set[str] = set()
+    for action in getattr(parser, "_actions", []):
+        dest, kind = getattr(action, "dest", None), type(action).__name__
+        if not dest or dest == "help" or dest.endswith(".help") or kind in _SKIPPED_ACTIONS:
+            continue
+        (sections if kind in _GROUP_ACTIONS else leaves).add(dest)
+    for key in list(leaves):
+        parts = key.split(".")
+        sections.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(leaves), frozenset(sections)
+
+
+def _inside_leaf(key: str, leaves: Iterable[str]) -> bool:
+    """A key below a settable key: the init_args of a class-typed option (trainer.logger.init_args.save_dir)."""
+    return any(key.startswith(leaf + ".") for leaf in leaves)
+
+
+def is_known(key: str, leaves: frozenset[str], sections: frozenset[str]) -> bool:
+    return key in leaves or key in sections or _inside_leaf(key, leaves)
+
+
+def suggest(key: str, known: Iterable[str], n: int = 2) -> list[str]:
+    """The closest known keys to ``key``: by its last part within the same section; failing that, by the whole dotted
+    key; failing that, the keys with the same last part in another section (``model.lora.r`` -> ``model.model.lora.r``).
+    """
+    known = sorted(set(known))
+    parent, _, last = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = [siblings[m] for m in difflib.get_close_matches(last, list(siblings), n=n, cutoff=0.75)]
+    close = close or difflib.get_close_matches(key, known, n=n, cutoff=0.75)
+    return close or [k for k in known if k.rpartition(".")[2] == last][:n]
+
+
+def command_line_keys(argv: Sequence[str]) -> list[str]:
+    """Dotted keys given as ``--key value`` / ``--key=value`` / ``--key+ value`` options."""
+    keys = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            keys.append(token[2:].split("=", 1)[0].rstrip("+"))
+    return keys
+
+
+def config_paths(argv: Sequence[str]) -> list[str]:
+    """The files given with ``--config``/``-c``."""
+    paths = []
+    for i, token in enumerate(argv):
+        if token in ("--config", "-c") and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif token.startswith("--config="):
+            paths.append(token.split("=", 1)[1])
+    return paths
+
+
+def config_file_keys(data: Mapping[str, Any], leaves: frozenset[str], sections: frozenset[str],
+                     prefix: str = "") -> list[str]:
+    """Unknown dotted keys of a loaded YAML mapping (values of settable keys are not looked into)."""
+    unknown = []
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if key in leaves or _inside_leaf(key, leaves):
+            continue
+        if key in sections:
+            if isinstance(value, Mapping):
+                unknown += config_file_keys(value, leaves, sections, key + ".")
+            continue
+        unknown.append(key)
+    return unknown
+
+
+def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
+    """Keys on the command line ``argv`` (after the subcommand) and in its ``--config`` files that ``parser`` (the
+    subcommand's parser) does not know, each with the closest known keys."""
+    import yaml
+
+    leaves, sections = known_keys(parser)
+    known = leaves | sections
+    found = [UnknownKey(k, "the command line", tuple(suggest(k, known)))
+             for k in command_line_keys(argv) if k not in ("help", "config") and not is_known(k, leaves, sections)]
+    for path in config_paths(argv):
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse reports unreadable files itself
+        if isinstance(data, Mapping):
+            found += [UnknownKey(k, path, tuple(suggest(k, known))) for k in config_file_keys(data, leaves, sections)]
+    return found
+
+
+def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Sequence[str], prog: str = "vpo",
+                        subcommands: Sequence[str] = ()) -> str:
+    """A short message for a failed parse: unknown keys with suggestions when there are any, else jsonargparse's
+    own message; always ends with where to look for the valid keys."""
+    lines: list[str] = []
+    if argv and not argv[0].startswith("-") and subcommands and argv[0] not in subcommands:
+        close = difflib.get_close_matches(argv[0], list(subcommands), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        lines.append(f"unknown command {argv[0]!r}.{hint} Commands: {', '.join(subcommands)}")
+    elif subcommand_parser is not None:
+        lines += [u.message() for u in find_unknown_keys(subcommand_parser, argv[1:])]
+    if not lines:
+        lines.append(" ".join(message.split()))  # jsonargparse's message, on one line
+    sub = argv[0] if argv and argv[0] in subcommands else "fit"
+    lines.append(f"(every key, with its documentation: {prog} {sub} --help)")
+    return "\n".join(f"{prog}: error: {line}" if i == 0 else f"  {line}" for i, line in enumerate(lines))
+
+
+# --------------------------------------------------------------------------------------------- machine checks
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        try:
+            node = node[part] if isinstance(node, Mapping) or hasattr(node, "__getitem__") else getattr(node, part)
+        except (KeyError, TypeError, AttributeError, IndexError):
+            return None
+    return node
+
+
+def _class_path(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    path = _get(value, "class_path")
+    return str(path) if path is not None else type(value).__qualname__
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def preflight(cfg: Any) -> list[str]:
+    """Problems with options that need a package or a GPU this machine lacks; each says what to do instead.
+
+    Args:
+        cfg: the parsed configuration of one subcommand (``trainer``, ``model``, ``rollout`` sections).
+    """
+    problems = []
+    accelerator = _get(cfg, "trainer.accelerator")
+    if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda") and not _has_cuda():
+        import torch
+
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        problems.append(
+            f"trainer.accelerator={accelerator} but torch sees no CUDA GPU here (torch {torch.__version__}, {build}). "
+            "Set --trainer.accelerator=cpu (or auto), or run on a machine with a GPU and a CUDA build of torch."
+        )
+    if _get(cfg, "model.model.attn_implementation") == "flash_attention_2":
+        missing = importlib.util.find_spec("flash_attn") is None
+        if missing or not _has_cuda():
+            need = "the flash-attn package (pip install 'vpo-lightning[flash]')" if missing else "a CUDA GPU"
+            problems.append(f"model.model.attn_implementation=flash_attention_2 needs {need}. "
+                            "Set --model.model.attn_implementation=sdpa to run here.")
+    if _class_path(_get(cfg, "rollout.engine")).endswith("VLLMEngine"):
+        missing = importlib.util.find_spec("vllm") is None
+        if missing or not _has_cuda():
+            need = "vLLM (pip install 'vpo-lightning[vllm]')" if missing else "a CUDA GPU"
+            problems.append(f"rollout.engine=VLLMEngine needs {need}. To run here, use "
+                            "--rollout.engine=vpo_lightning.engines.TransformersEngine.")
+    return problems

@@ -11,6 +11,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# One intra-op thread: the tests' models are tiny, where a second thread only adds synchronisation (measured ~10x
+# slower with two threads on a loaded 2-core machine); subprocess tests set OMP_NUM_THREADS=1 themselves.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip gpu/vllm tests on machines that cannot run them."""

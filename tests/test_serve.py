@@ -1,0 +1,236 @@
+"""`vpo serve` in-process on a free port with the tiny random Llama (+ a LoRA adapter): a real `openai` client,
+n choices and usage, stop strings, concurrent batched requests, and 4xx errors that leave the server up."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, prompt_token_ids, wrap_lora
+from vpo_lightning.serve import ServeSettings, build_server, load_for_serving, parse_messages
+
+openai = pytest.importorskip("openai", reason="the openai client is in the dev extra: pip install 'openai>=1.40'")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"name": "tiny-llama", "dtype": "fp32", "lora": {"r": 4, "alpha": 8}}
+MSG = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model is overhead-bound; one thread is far faster on a busy shared CPU
+    folder = tmp_path_factory.mktemp("serve")
+    cfg = yaml.safe_load((REPO / "configs/debug.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    model = wrap_lora(load_base_model(ModelSettings(**TINY)), LoraSettings(r=4, alpha=8))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    model.save_pretrained(folder / "adapter")
+    model, tokenizer, _, _ = load_for_serving(str(folder / "config.yaml"), str(folder / "adapter"), None, [], "cpu")
+    settings = ServeSettings(max_concurrency=8, max_tokens_limit=32, max_request_bytes=20_000, max_n=4,
+                             max_batch_size=16, default_max_tokens=4, batch_wait_s=0.3)
+    srv = build_server(model, tokenizer, base_name="tiny-llama", adapter_name="vpo", settings=settings, port=0)
+    srv.start()
+    yield srv
+    srv.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _raw(server, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=120)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null"), dict(resp.getheaders())
+    finally:
+        conn.close()
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama", "vpo"]
+    status, body, _ = _raw(server, "GET", "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert _raw(server, "GET", "/v1/models/vpo")[0] == 200
+
+
+def test_n_choices_and_usage(server, client):
+    r = client.chat.completions.create(model="vpo", messages=MSG, n=2, max_tokens=6, temperature=1.0, seed=1)
+    assert [c.index for c in r.choices] == [0, 1] and r.model == "vpo" and r.object == "chat.completion"
+    assert all(c.message.role == "assistant" and isinstance(c.message.content, str) for c in r.choices)
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    prompt = prompt_token_ids(server.generator.tokenizer, MSG)
+    assert r.usage.prompt_tokens == len(prompt)  # counted once, as OpenAI does for n > 1
+    assert 2 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # ignore_eos (vLLM's extension) makes every choice use its whole budget
+    full = client.chat.completions.create(model="tiny-llama", messages=MSG, n=2, max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 10 and {c.finish_reason for c in full.choices} == {"length"}
+
+
+def test_seed_reproducible_and_stop_honoured(client):
+    def ask(seed: int, **kw):
+        return client.chat.completions.create(model="vpo", messages=MSG, max_tokens=16, temperature=1.0, seed=seed,
+                                              extra_body={"ignore_eos": True}, **kw)
+
+    for seed in range(5):
+        first = ask(seed)
+        text = first.choices[0].message.content
+        starts = [i for i in range(1, len(text) - 2) if text[i : i + 2].isascii() and text[i : i + 2].isalnum()]
+        if starts:
+            break
+    else:
+        pytest.skip("the random model wrote no ASCII pair to use as a stop string")
+    assert ask(seed).choices[0].message.content == text  # same seed, same batch -> same sample
+    stop = text[starts[len(starts) // 2] : starts[len(starts) // 2] + 2]
+    stopped = ask(seed, stop=["\x00never", stop])
+    assert stopped.choices[0].message.content == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < first.usage.completion_tokens == 16
+
+
+def test_concurrent_requests_are_batched(server, client):
+    before = dict(server.generator.stats)
+    barrier, results, errors = threading.Barrier(8), [None] * 8, []
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            temperature = 1.0 if i % 2 else 0.7  # two sampling groups
+            results[i] = client.chat.completions.create(
+                model="vpo" if i % 3 else "tiny-llama", messages=[{"role": "user", "content": f"Count to {i}."}],
+                max_tokens=4, temperature=temperature)
+        except Exception as err:  # noqa: BLE001 - collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert all(r is not None and len(r.choices) == 1 for r in results)
+    stats = server.generator.stats
+    assert stats["requests"] - before["requests"] == 8
+    assert stats["batches"] - before["batches"] < 8  # some requests shared a generate call
+    assert stats["max_batch_requests"] >= 2
+
+
+def test_adapter_and_base_differ(client):
+    outs = {name: client.chat.completions.create(model=name, messages=MSG, max_tokens=8, temperature=0)
+            .choices[0].message.content for name in ("vpo", "tiny-llama")}
+    assert outs["vpo"] != outs["tiny-llama"]  # base = the same weights with the adapter disabled
+
+
+BAD = [
+    # (method, path, body, status, param or code)
+    ("POST", "/v1/chat/completions", b"{not json", 400, None),
+    ("POST", "/v1/chat/completions", b"\xff\xfe", 400, None),
+    ("POST", "/v1/chat/completions", [1, 2], 400, None),
+    ("POST", "/v1/chat/completions", {"model": "vpo"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.[0].role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages.[0].content"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "n": 0}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "n": 5}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "n": "2"}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "max_tokens": 33}, 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "stream": True}, 400, "stream"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 9000}]}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model"),
+    ("POST", "/v1/chat/completions", "x" * 30_000, 413, None),
+    ("GET", "/v1/nothing", None, 404, None),
+    ("POST", "/v1/completions", {"prompt": "x"}, 404, None),
+    ("GET", "/v1/chat/completions", None, 405, None),
+    ("POST", "/v1/models", {}, 405, None),
+    ("DELETE", "/v1/models", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, param", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_4xx(server, method, path, body, status, param):
+    if body is not None and not isinstance(body, (bytes, str)):
+        body = json.dumps(body)
+    got, payload, headers = _raw(server, method, path, body, {"Content-Type": "application/json"})
+    assert got == status, payload
+    error = payload["error"]
+    assert isinstance(error["message"], str) and error["message"] and "type" in error
+    if param is not None:
+        assert error["param"] == param
+    if status == 405:
+        assert headers.get("Allow")
+
+
+def test_server_survives_errors_and_limits(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="vpo", messages=MSG, max_tokens=1000)
+    with server._lock:
+        server._in_flight += server.settings.max_concurrency  # as if 8 requests were in flight
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2)
+    finally:
+        with server._lock:
+            server._in_flight -= server.settings.max_concurrency
+    server.settings.api_key = "secret"
+    try:
+        assert _raw(server, "GET", "/v1/models")[0] == 401
+        assert _raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    finally:
+        server.settings.api_key = None
+    r = client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2)  # default model, still serving
+    assert len(r.choices) == 1 and server.generator.stats["errors"] == 0
+
+
+def test_parse_messages_and_settings():
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert parse_messages(parts) == [{"role": "system", "content": "ab"}]
+    with pytest.raises(ValueError):
+        ServeSettings(max_n=8, max_batch_size=4)
+    with pytest.raises(ValueError):
+        ServeSettings(max_concurrency=0)
+
+
+@pytest.mark.slow
+def test_openevolve_two_iterations_against_vpo_serve(tmp_path, tiny_model_dir):
+    """benchmarks/openevolve_code.py end to end: `vpo serve` subprocess (tiny model), OpenEvolve 2 iterations."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("openevolve") is None:
+        pytest.skip("openevolve is not installed (bash benchmarks/setup_openevolve.sh pins openevolve==0.4.1)")
+    out = tmp_path / "openevolve_results.md"
+    cmd = [sys.executable, str(REPO / "benchmarks/openevolve_code.py"), "--model", "tiny-llama", "--iterations", "2",
+           "--problem-ids", "HumanEval/1", "--max-tokens", "16", "--work-dir", str(tmp_path / "work"),
+           "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "work/results.json").read_text())
+    base = results["models"][0]
+    assert base["label"] == "base" and base["requests"] >= 2  # one LLM call per iteration, through the server
+    run = base["runs"]["HumanEval/1"]
+    assert run["iterations"] == run["traced_iterations"] == 2  # OpenEvolve's trace: two children evaluated
+    assert run["num_tests"] >= 1 and 0 <= run["tests_passed"] <= run["num_tests"]
+    assert [m.get("skipped") for m in results["models"][1:]] == ["no adapter given"] * 2
+    text = out.read_text()
+    assert "| HumanEval/1 |" in text and "2 iterations per problem" in text

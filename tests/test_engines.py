@@ -104,3 +104,19 @@ def test_vllm_engine_generates_on_gpu():
     prompt = module.tokenizer("hello")["input_ids"]
     gen = engine.generate(module, [prompt], 2, SamplingSettings(max_new_tokens=8))
     assert len(gen.completion_ids) == 2 and gen.engine_logprobs is not None
+
+
+def test_shared_prefix_generation_equals_plain_generation():
+    """Prefilling each prompt once and copying its KV cache to the G chains gives the same tokens (top_k = 1)."""
+    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.module import VPOModule
+
+    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
+    module.configure_model()
+    tok = module.tokenizer
+    prompts = [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
+    greedy = SamplingSettings(top_k=1, max_new_tokens=6)
+    shared = TransformersEngine(share_prompt_prefix=True).generate(module, prompts, 3, greedy)
+    plain = TransformersEngine(share_prompt_prefix=False).generate(module, prompts, 3, greedy)
+    assert shared.completion_ids == plain.completion_ids
+    assert len(shared.completion_ids) == 6 and all(shared.completion_ids)

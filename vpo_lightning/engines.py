@@ -115,18 +115,30 @@ class TransformersEngine(Engine):
         max_batch_size: split the B x G chains into generate calls of at most this many rows (0 = one call).
         per_prompt_seed: one generate call per prompt, seeded by the prompt's seed, so that what a prompt samples
             does not depend on which rank or batch it lands in (slower: no batching across prompts).
+        share_prompt_prefix: compute each prompt's prefill once and copy its KV cache to the G chains of the group
+            (G times less prefill work; the G chains of a prompt share it).
     """
 
-    def __init__(self, max_batch_size: int = 0, per_prompt_seed: bool = False) -> None:
+    def __init__(self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True) -> None:
         self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
+        self.share_prompt_prefix = share_prompt_prefix
 
     def _calls(self, prompt_ids: list[list[int]], group_size: int,
                seeds: list[int] | None) -> list[tuple[list[list[int]], int | None]]:
+        """Distinct prompts per generate call (each expanded to ``group_size`` rows), with an optional seed."""
         if self.per_prompt_seed and seeds is not None:
-            return [([p] * group_size, s) for p, s in zip(prompt_ids, seeds)]
-        rows = [p for p in prompt_ids for _ in range(group_size)]  # N prompts, group-contiguous
-        step = self.max_batch_size or len(rows)
-        return [(rows[i : i + step], None) for i in range(0, len(rows), step)]
+            return [([p], s) for p, s in zip(prompt_ids, seeds)]
+        step = max(1, self.max_batch_size // group_size) if self.max_batch_size else len(prompt_ids)
+        return [(prompt_ids[i : i + step], None) for i in range(0, len(prompt_ids), step)]
+
+    def _prefill_once(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> Any:
+        """Run the prompts (all but the last token) once and copy the KV cache to the G chains of each group:
+        a group shares its prompt, so the prompt's prefill is not repeated G times."""
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)  # [b, P] as generate() derives them
+        cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
+                      use_cache=True).past_key_values
+        cache.batch_repeat_interleave(group_size)  # [b * G, ...] group-contiguous, like the rows below
+        return cache
 
     @torch.inference_mode()
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
@@ -137,15 +149,19 @@ class TransformersEngine(Engine):
         eos = eos_token_ids(model, tok)
         completions: list[list[int]] = []
         try:
-            for rows, seed in self._calls(prompt_ids, group_size, seeds):
+            for prompts, seed in self._calls(prompt_ids, group_size, seeds):
+                ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
+                extra = {}
+                if self.share_prompt_prefix and ids.shape[1] > 1 and group_size > 1:
+                    extra["past_key_values"] = self._prefill_once(model, ids, mask, group_size)
                 if seed is not None:
                     torch.manual_seed(seed)
-                ids, mask = left_pad(rows, tok.pad_token_id, module.device)
+                ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [b*G, P]
                 out = model.generate(
                     input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
                     top_p=sampling.top_p, top_k=sampling.top_k or None, max_new_tokens=sampling.max_new_tokens,
-                    pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos),
-                )  # [b, P + L]
+                    pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos), **extra,
+                )  # [b * G, P + L]
                 completions += [trim_completion(r, eos, tok.pad_token_id) for r in out[:, ids.shape[1] :].tolist()]
         finally:
             model.train(was_training)

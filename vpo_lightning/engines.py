@@ -119,7 +119,9 @@ class TransformersEngine(Engine):
             (G times less prefill work; the G chains of a prompt share it).
     """
 
-    def __init__(self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True) -> None:
+    def __init__(
+        self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True
+    ) -> None:
         self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
         self.share_prompt_prefix = share_prompt_prefix
 

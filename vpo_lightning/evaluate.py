@@ -1,0 +1,551 @@
+"""``vpo eval``: sample a pool of n solutions per test prompt and compute the metrics of VPO-SPEC section 6.
+
+    vpo eval --config configs/tooluse.yaml                                        # the base model
+    vpo eval --config configs/tooluse.yaml --ckpt checkpoints/tooluse-vpo/last.ckpt
+    vpo eval --config configs/tooluse_grpo.yaml --adapter checkpoints/tooluse-grpo/adapters/last --n 12
+
+Every method gets the same solution budget: n solutions per prompt are n / m chains of m answers for chain methods
+(vpo, multi_rlvr) and n single answers otherwise; k in best@k and pass@k counts solutions, not chains. The prompts
+are a seeded sample (``--prompt_seed``) of the split, so models evaluated with the same arguments see the same
+prompts. Outputs (``--out``): ``eval.json`` (settings, per-prompt and aggregate metrics), ``samples.jsonl`` (every
+completion with its reward vectors) and PNG plots (best@k, pass@k, diversity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+FORMAT = "vpo-eval/1"
+NUM_WEIGHTS = 100  # Dirichlet weights for E_w[max w.v] (VPO-SPEC section 6)
+
+
+# ---- arguments and configuration -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The ``vpo eval`` argument parser."""
+    p = argparse.ArgumentParser(prog="vpo eval", description="Sample n solutions per test prompt and compute "
+                                "best@k, pass@k, diversity, E_w best and the Pareto fraction (VPO-SPEC section 6).")
+    p.add_argument("--config", help="the YAML used by `vpo fit` (default: config.yaml beside --ckpt/--adapter)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--ckpt", help="a Lightning .ckpt written by `vpo fit` (adapter weights under policy.*)")
+    weights.add_argument("--adapter", help="a PEFT adapter directory (checkpoints/<run>/adapters/<name>)")
+    p.add_argument("--split", choices=("test", "val"), default="test",
+                   help="which split of the config's data (default: test)")
+    p.add_argument("--data_file", help="JSONL prompts to evaluate on (overrides --split)")
+    p.add_argument("--n", type=int, default=12, help="solutions per prompt; chain methods: n / m chains (default: 12)")
+    p.add_argument("--max_prompts", type=int, default=20,
+                   help="prompts to evaluate, a seeded sample of the split (default: 20)")
+    p.add_argument("--max_prompt_tokens", type=int, default=None,
+                   help="skip longer prompts (default: the config's data.max_prompt_tokens; 0 = keep all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed, also of best@k orders and E_w weights (default: 0)")
+    p.add_argument("--prompt_seed", type=int, default=0,
+                   help="seed of the prompt sample; keep it fixed across models (default: 0)")
+    p.add_argument("--estimator", help="override rollout.estimator (decides chain vs single-answer prompting)")
+    p.add_argument("--label", help="name of this run in `vpo compare` (default: from the run name and weights)")
+    p.add_argument("--out", help="output directory (default: beside --ckpt/--adapter, else "
+                                 "checkpoints/eval-<config stem>/)")
+    p.add_argument("--prompts_per_call", type=int, default=4,
+                   help="prompts batched into one generate call (default: 4)")
+    p.add_argument("--orders", type=int, default=100, help="random pool orders averaged in best@k (default: 100)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, repeatable (e.g. rollout.sampling.max_new_tokens=64)")
+    return p
+
+
+def find_config(args: argparse.Namespace) -> Path:
+    """``--config``, else the ``config.yaml`` that `vpo fit` saved beside the checkpoint or adapter."""
+    if args.config:
+        return Path(args.config)
+    weights = args.ckpt or args.adapter
+    if weights:
+        for folder in (Path(weights).parent, Path(weights).parent.parent):
+            if (folder / "config.yaml").is_file():
+                return folder / "config.yaml"
+    raise ValueError("give --config (the YAML used by `vpo fit`); no config.yaml found beside the weights")
+
+
+def load_config(path: Path, overrides: list[str]) -> dict[str, Any]:
+    """Read a `vpo fit` YAML with OmegaConf and apply ``key=value`` overrides; returns a plain dict."""
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"config {str(path)!r} does not exist")
+    cfg = OmegaConf.load(path)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"--set expects KEY=VALUE, got {bad[0]!r}")
+    if overrides:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    out = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(out, dict) or "rollout" not in out:
+        raise ValueError(f"config {str(path)!r} has no rollout: section (is it a `vpo fit` config?)")
+    return out
+
+
+def default_data_file(cfg: dict[str, Any], split: str) -> str:
+    """The split's JSONL: ``data.val_files[0]`` for val, else the first train file with ``train`` -> split."""
+    data = cfg.get("data") or {}
+    if split == "val" and data.get("val_files"):
+        return str(data["val_files"][0])
+    train = data.get("train_files") or []
+    if not train:
+        raise ValueError("the config has no data.train_files to derive the split from: pass --data_file")
+    path = Path(train[0])
+    name = path.name.replace("train", split) if "train" in path.name else f"{split}{path.suffix or '.jsonl'}"
+    return str(path.with_name(name))
+
+
+def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
+    """Beside the checkpoint or adapter (``eval-<name>``), else ``checkpoints/eval-<config stem>``."""
+    suffix = "" if args.split == "test" or args.data_file else f"-{args.split}"
+    if args.ckpt:
+        return Path(args.ckpt).parent / f"eval-{Path(args.ckpt).stem}{suffix}"
+    if args.adapter:
+        adapter = Path(args.adapter)
+        return adapter.parent / f"eval-{adapter.name}{suffix}"
+    return Path("checkpoints") / f"eval-{config.stem}{suffix}"
+
+
+# ---- prompts --------------------------------------------------------------------------------------------------
+def select_prompts(records: list[dict], tokenizer: Any, max_prompts: int, max_tokens: int, seed: int) -> list[dict]:
+    """A seeded random sample of ``max_prompts`` records whose chat prompt has at most ``max_tokens`` tokens."""
+    from vpo_lightning.models import prompt_token_ids
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    picked: list[dict] = []
+    for i in order:
+        if max_tokens and len(prompt_token_ids(tokenizer, records[i]["messages"])) > max_tokens:
+            continue
+        picked.append(records[i])
+        if len(picked) == max_prompts:
+            break
+    if not picked:
+        raise ValueError(f"no prompt has at most {max_tokens} tokens: raise --max_prompt_tokens (0 = keep all)")
+    return picked
+
+
+# ---- model ----------------------------------------------------------------------------------------------------
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _adapter_weights_file(adapter: Path) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (adapter / name).is_file():
+            return adapter / name
+    raise FileNotFoundError(f"--adapter {str(adapter)!r}: no adapter_model.safetensors in it (not a PEFT adapter)")
+
+
+def load_ckpt_policy(settings: Any, ckpt: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """Rebuild the policy from settings and load the checkpoint's trainable weights (``policy.*`` keys)."""
+    from vpo_lightning.models import load_base_model, wrap_lora
+
+    model = load_base_model(settings, device)
+    if settings.lora.enabled:
+        model = wrap_lora(model, settings.lora)
+    state = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    if not state:
+        raise ValueError("the checkpoint holds no policy.* weights (not written by `vpo fit`?)")
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatch: another rank or model
+        raise ValueError(f"checkpoint weights do not fit the model built from the config: {err}") from None
+    if result.unexpected_keys:
+        raise ValueError(f"checkpoint weights do not fit the model built from the config (e.g. "
+                         f"{result.unexpected_keys[0]!r}): check model.model.name and model.model.lora")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - set(state))
+    if settings.lora.enabled and missing:
+        raise ValueError(f"checkpoint lacks adapter weights such as {missing[0]!r}: check model.model.lora")
+    return model
+
+
+def load_model(cfg: dict[str, Any], args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, dict]:
+    """Load the policy to evaluate: the base model, base + PEFT adapter, or base + LoRA weights from a .ckpt.
+
+    Returns:
+        ``(model, settings, info)``; ``info`` names the weights and their sha256 for eval.json.
+    """
+    from vpo_lightning.models import ModelSettings, load_base_model
+
+    raw = dict((cfg.get("model") or {}).get("model") or {})
+    info: dict[str, Any] = {"ckpt": args.ckpt, "adapter": args.adapter, "weights_sha256": None, "global_step": None}
+    if args.ckpt:
+        path = Path(args.ckpt)
+        if not path.is_file():
+            raise FileNotFoundError(f"--ckpt {str(path)!r} does not exist")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        saved = (ckpt.get("hyper_parameters") or {}).get("model")
+        if isinstance(saved, dict):  # the trained architecture wins; precision and attention follow the config
+            if raw.get("name") and saved.get("name") != raw.get("name"):
+                log.warning("--ckpt was trained on %s, not the config's %s: using %s", saved.get("name"),
+                            raw.get("name"), saved.get("name"))
+            raw.update({k: saved[k] for k in ("name", "lora") if k in saved})
+        settings = ModelSettings(**_known(ModelSettings, raw))
+        model = load_ckpt_policy(settings, ckpt, device)
+        info.update(weights_sha256=sha256_file(path), global_step=ckpt.get("global_step"))
+        return model, settings, info
+    settings = ModelSettings(**_known(ModelSettings, raw))
+    model = load_base_model(settings, device)
+    if args.adapter:
+        from peft import PeftModel
+
+        info["weights_sha256"] = sha256_file(_adapter_weights_file(Path(args.adapter)))
+        model = PeftModel.from_pretrained(model, args.adapter)
+    return model, settings, info
+
+
+def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` = cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---- sampling -------------------------------------------------------------------------------------------------
+@dataclass
+class PromptPool:
+    """One prompt's sampled pool: C chains of m candidates (C = n / m; m = 1 for single-answer methods)."""
+
+    record: dict
+    rewards: Tensor  # [C, m, D], zero rows where absent
+    mask: Tensor  # [C, m] bool, True = candidate present
+    texts: list[str]  # C completions
+    tokens: int  # generated tokens over the C completions
+    errors: int  # reward calls that failed (scored 0); counted per engine call, on its first prompt
+
+
+def build_rollout(cfg: dict[str, Any], estimator: str | None, engine: Any) -> Any:
+    """A ``RolloutCallback`` configured like training, used for its prompts, candidate parser and reward vector."""
+    from vpo_lightning.engines import SamplingSettings
+    from vpo_lightning.rollout import RolloutCallback
+
+    ro = cfg["rollout"]
+    sampling = SamplingSettings(**_known(SamplingSettings, ro.get("sampling") or {}))
+    return RolloutCallback(
+        rewards=list(ro["rewards"]), estimator=estimator or ro.get("estimator", "vpo"),
+        num_candidates=int(ro.get("num_candidates", 3)), group_size=2, num_weights=int(ro.get("num_weights", 100)),
+        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), sampling=sampling,
+        engine=engine, seed=0, log_samples_every=0, reward_workers=ro.get("reward_workers"),
+    )
+
+
+def prompt_rows(rollout: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
+    """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
+    from vpo_lightning.advantages import sample_weights
+    from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.rollout import derive_seed
+
+    if rollout.estimator != "goal_conditioned_grpo":
+        return [prompt_token_ids(tokenizer, rollout._prompt(record, None))] * chains
+    gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
+    weights = sample_weights(chains, rollout.reward_vector.dim, rollout.alpha, generator=gen)  # [C, D]
+    return [prompt_token_ids(tokenizer, rollout._prompt(record, w[None])) for w in weights]
+
+
+def sample_batch(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
+    """One engine call for all chains of ``records``; split the scored result back per prompt."""
+    from vpo_lightning.rollout import derive_seed
+
+    rows = [r for rec in records for r in prompt_rows(rollout, ns.tokenizer, rec, chains, seed)]
+    torch.manual_seed(derive_seed(seed, "eval", call))
+    gen = rollout.engine.generate(ns, rows, 1, rollout.sampling)
+    cands = [rollout.candidates(t) for t in gen.texts]
+    scores = rollout.reward_vector.score(cands, [rec for rec in records for _ in range(chains)])
+    pools = []
+    for i, rec in enumerate(records):
+        sl = slice(i * chains, (i + 1) * chains)
+        tokens = sum(len(c) for c in gen.completion_ids[sl])
+        pools.append(PromptPool(rec, scores.rewards[sl], scores.mask[sl], gen.texts[sl], tokens,
+                                scores.num_errors if i == 0 else 0))
+    return pools
+
+
+def sample_pools(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, per_call: int) -> list[PromptPool]:
+    """Sample every prompt's pool, ``per_call`` prompts per engine call, with a rich progress bar and ETA."""
+    from rich import progress as rp
+
+    pools: list[PromptPool] = []
+    columns = (rp.TextColumn("eval"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TextColumn("prompts"),
+               rp.TimeElapsedColumn(), rp.TextColumn("ETA"), rp.TimeRemainingColumn())
+    with rp.Progress(*columns) as progress:
+        task = progress.add_task("eval", total=len(records))
+        for call, start in enumerate(range(0, len(records), per_call)):
+            batch = records[start : start + per_call]
+            pools += sample_batch(ns, rollout, batch, chains, seed, call)
+            progress.advance(task, len(batch))
+    return pools
+
+
+# ---- metrics --------------------------------------------------------------------------------------------------
+def _floats(t: Tensor) -> list[float]:
+    return [round(float(v), 6) for v in t]
+
+
+def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
+    """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k)."""
+    from vpo_lightning import metrics
+    from vpo_lightning.rollout import derive_seed
+
+    C, m, D = pool.rewards.shape
+    values, present = pool.rewards.reshape(1, C * m, D), pool.mask.reshape(1, C * m)  # [1, n, D], [1, n]
+    solved = metrics.solved(pool.rewards, pool.mask)  # [C, m]
+    key = derive_seed(seed, pool.record.get("id"))
+    two = int(present.sum()) >= 2
+    chain_pairs = m > 1 and bool((pool.mask.sum(-1) >= 2).any())
+    return {
+        "id": pool.record.get("id"), "category": (pool.record.get("meta") or {}).get("category"),
+        "best_at_k": _floats(metrics.best_at_k_curve(values, seed=key, num_seeds=orders)),
+        "pass_at_k": _floats(metrics.pass_at_k_curve(solved.reshape(1, -1))),
+        "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved[None])),
+        "num_solved": int(solved.sum()), "num_present": int(present.sum()),
+        "pairwise_l1_diversity": metrics.pairwise_l1_diversity(values, present) if two else None,
+        "within_chain_diversity": metrics.within_chain_diversity(pool.rewards[None], pool.mask[None])
+        if chain_pairs else None,
+        "expected_best_weighted": metrics.expected_best_weighted(
+            values, NUM_WEIGHTS, generator=torch.Generator().manual_seed(key), mask=present),
+        "pareto_fraction": metrics.pareto_fraction(values, present) if bool(present.any()) else None,
+        "generated_tokens": pool.tokens,
+        "rewards": [[round(float(v), 6) for v in row] for row in values[0]],
+        "present": [bool(v) for v in present[0]],
+    }
+
+
+def aggregate_metrics(pools: list[PromptPool], per_prompt: list[dict], dim_names: list[str], seed: int) -> dict:
+    """Metrics over all prompts: curves averaged over prompts; set metrics from the stacked ``[P, n, D]`` pool."""
+    from vpo_lightning import metrics
+
+    rewards = torch.stack([p.rewards for p in pools])  # [P, C, m, D]
+    mask = torch.stack([p.mask for p in pools])  # [P, C, m]
+    P, C, m, D = rewards.shape
+    values, present = rewards.reshape(P, C * m, D), mask.reshape(P, C * m)  # [P, n, D], [P, n]
+    solved = metrics.solved(rewards, mask)  # [P, C, m]
+    tokens = sum(p.tokens for p in pools)
+    return {
+        "best_at_k": _floats(torch.tensor([r["best_at_k"] for r in per_prompt]).mean(0)),
+        "pass_at_k": _floats(metrics.pass_at_k_curve(solved.reshape(P, -1))),
+        "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved)),
+        "pairwise_l1_diversity": metrics.pairwise_l1_diversity(values, present),
+        "within_chain_diversity": metrics.within_chain_diversity(rewards, mask) if m > 1 else None,
+        "expected_best_weighted": metrics.expected_best_weighted(
+            values, NUM_WEIGHTS, generator=torch.Generator().manual_seed(seed), mask=present),
+        "pareto_fraction": metrics.pareto_fraction(values, present),
+        "mean_reward": dict(zip(dim_names, _floats(values.mean(dim=(0, 1))))),  # absent solutions count 0
+        "solved_fraction": float(solved.float().mean()),
+        "present_fraction": float(present.float().mean()),
+        "parse_rate": float(mask.any(-1).float().mean()),  # chains with at least one parsed candidate
+        "generated_tokens": tokens,
+        "tokens_per_solution": tokens / max(1, P * C * m),
+        "reward_errors": sum(p.errors for p in pools),
+    }
+
+
+# ---- training provenance --------------------------------------------------------------------------------------
+def training_tokens(weights: str | None, global_step: int | None) -> dict[str, Any] | None:
+    """Optimizer steps and generated tokens of the run that wrote ``weights``, from ``train/rollout/tokens``.
+
+    Reads the TensorBoard event files beside the checkpoint (or two levels above an adapter directory); None when
+    there are none. Only steps before ``global_step`` (when known) count.
+    """
+    if not weights:
+        return None
+    path = Path(weights)
+    runs = [d for d in (path.parent, path.parent.parent) if list(d.glob("events.out.tfevents.*"))]
+    if not runs:
+        return None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if global_step is None and path.name.startswith("step="):
+        global_step = int(path.name.split("=", 1)[1].split(".")[0])
+    per_step: dict[int, float] = {}
+    for f in sorted(runs[0].glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/rollout/tokens" in acc.Tags()["scalars"]:
+            per_step.update({e.step: e.value for e in acc.Scalars("train/rollout/tokens")})
+    kept = {s: v for s, v in per_step.items() if global_step is None or s < global_step}
+    return {"log_dir": str(runs[0]), "optimizer_steps": global_step if global_step is not None else len(kept),
+            "logged_steps": len(kept), "generated_tokens": int(sum(kept.values()))}
+
+
+# ---- outputs --------------------------------------------------------------------------------------------------
+def plot_curves(curves: dict[str, list[float]], ylabel: str, path: Path, title: str = "") -> None:
+    """One line per entry of ``curves`` against k = 1..len, saved as a PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
+    ax.set_xlabel("k (solutions)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bars(values: dict[str, float], ylabel: str, path: Path, title: str = "") -> None:
+    """A bar chart of ``values`` saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    bars = ax.bar(list(values), list(values.values()), color="tab:blue")
+    ax.bar_label(bars, fmt="%.3f")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, report: dict[str, Any], pools: list[PromptPool]) -> None:
+    """eval.json, samples.jsonl and the three plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
+        for pool in pools:
+            for c, text in enumerate(pool.texts):
+                rewards = [row if ok else None for row, ok in zip(pool.rewards[c].tolist(), pool.mask[c].tolist())]
+                fh.write(json.dumps({"id": pool.record.get("id"), "chain": c, "text": text, "rewards": rewards}) + "\n")
+    agg, label = report["aggregate"], report["label"]
+    plot_curves({label: agg["best_at_k"]}, "best@k (mean reward of the best of k)", out / "best_at_k.png", label)
+    plot_curves({label: agg["pass_at_k"]}, "pass@k (unbiased)", out / "pass_at_k.png", label)
+    bars = {"pool L1": agg["pairwise_l1_diversity"]}
+    if agg["within_chain_diversity"] is not None:
+        bars["within-chain L1"] = agg["within_chain_diversity"]
+    plot_bars(bars, "reward-space diversity", out / "diversity.png", label)
+
+
+def default_label(cfg: dict[str, Any], args: argparse.Namespace, model_name: str) -> str:
+    """``<run_name>:<weights name>`` for trained weights, ``base (<model>)`` for the base model."""
+    if args.label:
+        return args.label
+    weights = args.ckpt or args.adapter
+    if weights:
+        return f"{cfg.get('run_name', 'run')}:{Path(weights).stem if args.ckpt else Path(weights).name}"
+    return f"base ({model_name})"
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+def _check_args(args: argparse.Namespace, m: int) -> None:
+    if args.n < 1 or args.max_prompts < 1 or args.prompts_per_call < 1 or args.orders < 1:
+        raise ValueError("--n, --max_prompts, --prompts_per_call and --orders must be >= 1")
+    if args.n % m:
+        raise ValueError(f"--n {args.n} is not a multiple of m = {m} (rollout.num_candidates): the pool is n / m "
+                         "chains of m solutions; pick n divisible by m")
+
+
+def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, int, list[dict]]:
+    """``(data file, max prompt tokens, the selected records)``."""
+    from vpo_lightning.datamodule import read_jsonl
+
+    data_file = args.data_file or default_data_file(cfg, args.split)
+    limit = args.max_prompt_tokens
+    if limit is None:
+        limit = (cfg.get("data") or {}).get("max_prompt_tokens", 0)
+    limit = int(limit or 0)
+    return data_file, limit, select_prompts(read_jsonl(data_file), tokenizer, args.max_prompts, limit, args.prompt_seed)
+
+
+def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], rollout: Any,
+                 pools: list[PromptPool]) -> dict[str, Any]:
+    """The eval.json content: settings and provenance, per-prompt and aggregate metrics."""
+    settings, info = run["settings"], run["info"]
+    per_prompt = [prompt_metrics(p, args.seed, args.orders) for p in pools]
+    dims = rollout.reward_vector.dim_names
+    return {
+        "format": FORMAT, "label": default_label(cfg, args, settings.name),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": str(run["config"]), "overrides": args.overrides, "run_name": cfg.get("run_name"),
+        "model": settings.name, "model_settings": asdict(settings), **info,
+        "training": training_tokens(args.ckpt or args.adapter, info["global_step"]),
+        "estimator": rollout.estimator, "m": rollout.m, "n": args.n, "chains_per_prompt": args.n // rollout.m,
+        "tag_family": rollout.tag_family, "sampling": asdict(rollout.sampling), "dim_names": dims,
+        "rewards": rollout.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
+        "data_file": run["data_file"], "max_prompt_tokens": run["limit"], "prompts_per_call": args.prompts_per_call,
+        "best_at_k_orders": args.orders, "num_prompts": len(pools), "device": run["device"],
+        "aggregate": aggregate_metrics(pools, per_prompt, dims, args.seed), "prompts": per_prompt,
+    }
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Evaluate as ``args`` says; returns the output directory."""
+    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.models import load_tokenizer
+
+    t0 = time.perf_counter()
+    config = find_config(args)
+    cfg = load_config(config, args.overrides)
+    init = (cfg["rollout"].get("engine") or {}).get("init_args") or {}
+    rollout = build_rollout(cfg, args.estimator, TransformersEngine(int(init.get("max_batch_size") or 0)))
+    _check_args(args, rollout.m)
+    device = pick_device(args.device)
+    model, settings, info = load_model(cfg, args, device)
+    tokenizer = load_tokenizer(settings.name)
+    data_file, limit, records = load_prompts(cfg, args, tokenizer)
+    ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
+    pools = sample_pools(ns, rollout, records, args.n // rollout.m, args.seed, args.prompts_per_call)
+    context = {"config": config, "settings": settings, "info": info, "data_file": data_file, "limit": limit,
+               "device": str(device)}
+    report = build_report(args, cfg, context, rollout, pools)
+    report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)
+    out = Path(args.out) if args.out else default_out_dir(args, config)
+    write_outputs(out, report, pools)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``vpo eval``."""
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
+        if os.environ.get("VPO_DEBUG"):
+            raise
+        print(f"vpo eval: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 2
+    report = json.loads((out / "eval.json").read_text())
+    agg, n = report["aggregate"], report["n"]
+    print(f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "
+          f"pass@{n} {agg['pass_at_k'][-1]:.3f}  diversity {agg['pairwise_l1_diversity']:.3f}  "
+          f"E_w best {agg['expected_best_weighted']:.3f}  ({report['num_prompts']} prompts, {agg['time_s']:.0f}s)")
+    print(f"wrote {out / 'eval.json'}")
+    return 0

@@ -1,0 +1,387 @@
+"""vpo-lightning (estimator grpo, m = 1) against TRL's ``GRPOTrainer`` on the same CPU job, step for step.
+
+Both sides get the same model (the embedded SmolLM2-135M-Instruct, loaded by the same ``load_base_model`` at the same
+dtype), the same prompts in the same order (tool-use prompts from ``data/tooluse/train.jsonl`` of at most
+``--max-prompt-tokens`` tokens, rendered with the chat template), G chains per prompt, ``--max-new-tokens``, LoRA r=16
+alpha=32 on all linear layers, beta, lr, clip 0.2, one optimizer step per rollout batch (TRL:
+``per_device_train_batch_size = generation_batch_size = B * G``, gradient accumulation 1, ``num_iterations`` 1) and
+the same reward (our four tool-use rewards averaged to a scalar; TRL gets them wrapped as one reward function).
+
+Each side runs ``--steps`` optimizer steps in its own subprocess (ours in ``.venv``, TRL in ``benchmarks/.venv-trl``,
+built by ``benchmarks/setup_trl.sh``); runs alternate (ours, TRL, TRL, ours, ...) so a busy machine slows both
+alike. The first step of each run is a warm-up and is excluded. Per side it reports the median step wall time, rollout
+tokens/s (generated tokens / time inside ``generate``), trained tokens/s (completion tokens / the rest of the step:
+rewards, reference and policy passes, optimizer), and the peak RSS of the subprocess (``os.wait4``'s ``ru_maxrss``),
+with the ratio ours / TRL. Results go to ``benchmarks/results_vs_trl.json``.
+
+    bash benchmarks/setup_trl.sh                      # once (~4 min): TRL 1.16 in benchmarks/.venv-trl
+    .venv/bin/python benchmarks/vs_trl.py             # 2 rounds x 5 steps per side (~20-40 min on 2 CPU cores)
+    .venv/bin/python benchmarks/vs_trl.py --rounds 1 --steps 3 --only ours     # quick look at one side
+
+Step times depend on how long the sampled completions are (a batched ``generate`` runs until its longest chain
+stops), so the table also lists the mean completion length of each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS_PYTHON = ROOT / ".venv" / "bin" / "python"
+TRL_PYTHON = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
+REWARDS = ["format", "tool_name", "arg_key", "arg_value"]
+
+
+# ----------------------------------------------------------------------------------------------- shared helpers
+def _rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def select_prompts(data: Path, count: int, max_tokens: int, model: str) -> list[dict]:
+    """The first ``count`` records of ``data`` whose chat-templated prompt has at most ``max_tokens`` tokens."""
+    from vpo_lightning.models import load_tokenizer, prompt_token_ids
+
+    tok = load_tokenizer(model)
+    out = []
+    with data.open(encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            if len(prompt_token_ids(tok, record["messages"])) <= max_tokens:
+                out.append(record)
+                if len(out) == count:
+                    break
+    if len(out) < count:
+        raise SystemExit(f"only {len(out)} prompts of <= {max_tokens} tokens in {data}; lower --prompts")
+    return out
+
+
+def mean_reward_fn(names: list[str]):
+    """Our tool-use rewards averaged to one scalar per completion, as a TRL reward function."""
+    from vpo_lightning.rewards import RewardVector
+
+    vector = RewardVector(names)
+
+    def tooluse_mean(prompts: list, completions: list[str], record: list[str], **_: Any) -> list[float]:
+        candidates = [[c if c.strip() else None] for c in completions]
+        scores = vector.score(candidates, [json.loads(r) for r in record])
+        return scores.rewards[:, 0, :].mean(-1).tolist()  # [N]
+
+    return tooluse_mean
+
+
+class _Clock:
+    """Step boundaries and generate() time / tokens, filled in by the side-specific hooks."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.ends: list[float] = []
+        self.gen_time: list[float] = []
+        self.gen_tokens: list[int] = []
+        self.prompt_tokens: list[int] = []
+
+    def timed_generate(self, fn, count_tokens):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.gen_time.append(time.perf_counter() - t0)
+            self.gen_tokens.append(count_tokens(out))
+            return out
+
+        return wrapper
+
+    def report(self, spec: dict, baseline_rss: int, setup_s: float) -> dict:
+        import torch
+
+        bounds = [self.start, *self.ends]
+        steps = [b - a for a, b in zip(bounds, bounds[1:])]
+        return {
+            "step_s": steps, "gen_s": self.gen_time, "gen_tokens": self.gen_tokens,
+            "prompt_tokens": self.prompt_tokens, "setup_s": setup_s,
+            "rss_after_setup_bytes": baseline_rss, "torch_threads": torch.get_num_threads(),
+            "versions": _versions(), "dtype": spec["dtype"],
+        }
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "lightning", "trl"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _model_settings(spec: dict):
+    from vpo_lightning.models import LoraSettings, ModelSettings
+
+    return ModelSettings(name=spec["model"], dtype=spec["dtype"], gradient_checkpointing=spec["gradient_checkpointing"],
+                         lora=LoraSettings(r=16, alpha=32, target_modules="all-linear"))
+
+
+# ----------------------------------------------------------------------------------------------- ours
+def run_ours(spec: dict) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
+    from vpo_lightning.rollout import RolloutCallback
+
+    clock = _Clock()
+    records = spec["records"]
+    B, G = spec["prompts_per_step"], spec["group_size"]
+    batches = [{"records": records[i : i + B], "indices": list(range(i, i + B)), "position": i // B}
+               for i in range(0, B * spec["steps"], B)]
+
+    class Timer(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            clock.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            clock.ends.append(time.perf_counter())
+            clock.prompt_tokens.append(int(batch["rollout"].attention_mask[:, : batch["rollout"].prompt_length].sum()))
+
+    engine = TransformersEngine()
+    engine.generate = clock.timed_generate(engine.generate, lambda gen: gen.num_tokens)
+    rollout = RolloutCallback(rewards=REWARDS, estimator="grpo", num_candidates=1, group_size=G, seed=spec["seed"],
+                              sampling=SamplingSettings(max_new_tokens=spec["max_new_tokens"]), engine=engine,
+                              log_samples_every=0)
+    module = VPOModule(
+        model=_model_settings(spec), loss=LossSettings(beta=spec["beta"]),
+        optim=OptimSettings(lr=spec["lr"], micro_batch_size=spec["micro_batch_size"], max_grad_norm=1.0,
+                            logprob_chunk_size=spec["logprob_chunk_size"]),
+    )
+    L.seed_everything(spec["seed"], verbose=False)
+    t0 = time.perf_counter()
+    module.configure_model()
+    setup_s = time.perf_counter() - t0
+    baseline = _rss_bytes()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer(), rollout])
+    loader = DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+    trainer.fit(module, train_dataloaders=loader)
+    return clock.report(spec, baseline, setup_s)
+
+
+# ----------------------------------------------------------------------------------------------- TRL
+def run_trl(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vpo_lightning.models import load_base_model, load_tokenizer
+
+    clock = _Clock()
+    B, G = spec["prompts_per_step"], spec["group_size"]
+    tok = load_tokenizer(spec["model"])
+    rows = [{"prompt": tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
+             "record": json.dumps(r)} for r in spec["records"][: B * spec["steps"]]]
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.ends.append(time.perf_counter())
+
+    torch.manual_seed(spec["seed"])
+    t0 = time.perf_counter()
+    model = load_base_model(_model_settings(spec))  # the same loader and dtype as ours
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs-trl-"), use_cpu=True, bf16=False, fp16=False,  # precision = the model's
+        per_device_train_batch_size=B * G, gradient_accumulation_steps=1, generation_batch_size=B * G,
+        num_generations=G, num_iterations=1, max_completion_length=spec["max_new_tokens"], temperature=1.0,
+        top_p=1.0, top_k=0, beta=spec["beta"], epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=spec["steps"], shuffle_dataset=False, seed=spec["seed"], logging_steps=1, save_strategy="no",
+        report_to=[], disable_dropout=True, gradient_checkpointing=spec["gradient_checkpointing"],
+        dataloader_num_workers=0, log_completions=False,
+    )
+    peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=[mean_reward_fn(REWARDS)], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=peft,
+                          callbacks=[Timer()])
+    setup_s = time.perf_counter() - t0
+    baseline = _rss_bytes()
+    turn = trainer._generate_single_turn
+
+    def generate(prompt_ids, *args, **kwargs):
+        clock.prompt_tokens.append(sum(len(p) for p in prompt_ids))
+        return turn(prompt_ids, *args, **kwargs)
+
+    trainer._generate_single_turn = clock.timed_generate(generate, lambda out: sum(len(c) for c in out[0]))
+    trainer.train()
+    return clock.report(spec, baseline, setup_s)
+
+
+# ----------------------------------------------------------------------------------------------- parent
+def _launch(side: str, spec_path: Path, env_extra: dict[str, str]) -> dict:
+    python = OURS_PYTHON if side == "ours" else TRL_PYTHON
+    fd, out = tempfile.mkstemp(suffix=".json", prefix=f"vs-trl-{side}-")
+    os.close(fd)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **env_extra}
+    cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path), "--result", out]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} worker failed (exit {proc.returncode}); command: {' '.join(cmd)}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # KiB on Linux; this child (and its waited-for children)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def summarise(runs: list[dict], warmup: int) -> dict:
+    steps, gen_s, gen_tok, train_tps, lengths = [], [], [], [], []
+    for r in runs:
+        for i, (s, g, n) in enumerate(zip(r["step_s"], r["gen_s"], r["gen_tokens"])):
+            if i < warmup:
+                continue
+            steps.append(s)
+            gen_s.append(g)
+            gen_tok.append(n)
+            train_tps.append(n / max(s - g, 1e-9))
+            lengths.append(n)
+    per_step_chains = runs[0]["chains_per_step"]
+    return {
+        "median_step_s": statistics.median(steps),
+        "rollout_tokens_per_s": statistics.median(n / g for n, g in zip(gen_tok, gen_s)),
+        "trained_tokens_per_s": statistics.median(train_tps),
+        "median_generate_s": statistics.median(gen_s),
+        "mean_completion_tokens": statistics.mean(lengths) / per_step_chains,
+        "peak_rss_gb": max(r["peak_rss_bytes"] for r in runs) / 2**30,
+        "rss_after_setup_gb": max(r["rss_after_setup_bytes"] for r in runs) / 2**30,
+        "steps_measured": len(steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is a warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
+    p.add_argument("--prompts", type=int, default=16, help="prompts selected from the data file")
+    p.add_argument("--prompts-per-step", type=int, default=2, help="B")
+    p.add_argument("--group-size", type=int, default=8, help="G")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=400)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="both sides")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="both sides (default off on both)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="ours: chains per forward/backward")
+    p.add_argument("--logprob-chunk-size", type=int, default=1024, help="ours")
+    p.add_argument("--beta", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", type=Path, default=ROOT / "data" / "tooluse" / "train.jsonl")
+    p.add_argument("--only", choices=["ours", "trl"], help="run one side only (no ratios)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for both workers (e.g. MALLOC_ARENA_MAX=2); repeatable")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results_vs_trl.json")
+    p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:  # a child process: run one side, write its raw timings
+        spec = json.loads(args.spec.read_text())
+        result = run_ours(spec) if args.worker == "ours" else run_trl(spec)
+        result["chains_per_step"] = spec["prompts_per_step"] * spec["group_size"]
+        args.result.write_text(json.dumps(result))
+        return 0
+
+    sides = [args.only] if args.only else ["ours", "trl"]
+    if "trl" in sides and not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash benchmarks/setup_trl.sh` first")
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
+    if args.prompts < args.prompts_per_step * args.steps:
+        raise SystemExit("--prompts must be >= --prompts-per-step * --steps (every step sees fresh prompts)")
+    from vpo_lightning.models import resolve_dtype
+
+    records = select_prompts(args.data, args.prompts, args.max_prompt_tokens, args.model)
+    spec = {
+        "records": records, "model": args.model, "steps": args.steps, "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "beta": args.beta, "lr": args.lr,
+        "seed": args.seed, "micro_batch_size": args.micro_batch_size, "logprob_chunk_size": args.logprob_chunk_size,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "dtype": {"fp32": "fp32", "bf16": "bf16"}.get(args.dtype, str(resolve_dtype("auto")).split(".")[-1]
+                                                      .replace("float32", "fp32").replace("bfloat16", "bf16")),
+    }
+    env_extra = dict(kv.split("=", 1) for kv in args.env)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+    spec_path = Path(fh.name)
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    load = []
+    try:
+        for rnd in range(args.rounds):
+            order = sides if rnd % 2 == 0 else sides[::-1]
+            for side in order:
+                load.append(os.getloadavg()[0])
+                print(f"[vs_trl] round {rnd + 1}/{args.rounds}: {side} ...", file=sys.stderr, flush=True)
+                runs[side].append(_launch(side, spec_path, env_extra))
+                r = runs[side][-1]
+                print(f"[vs_trl]   {side}: steps {[round(s, 1) for s in r['step_s']]} s, generate "
+                      f"{[round(s, 1) for s in r['gen_s']]} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB",
+                      file=sys.stderr, flush=True)
+    finally:
+        spec_path.unlink()
+    summary = {s: summarise(runs[s], warmup=1) for s in sides}
+    ratios = {}
+    if len(sides) == 2:
+        for key in ("median_step_s", "rollout_tokens_per_s", "trained_tokens_per_s", "peak_rss_gb"):
+            ratios[key] = summary["ours"][key] / summary["trl"][key]
+    settings = {k: v for k, v in spec.items() if k != "records"}
+    settings.update(prompts=args.prompts, rounds=args.rounds, env=env_extra, data=str(args.data.relative_to(ROOT))
+                    if args.data.is_relative_to(ROOT) else str(args.data))
+    out = {
+        "settings": settings, "summary": summary, "ratios_ours_over_trl": ratios,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_1m_at_each_launch": load},
+        "versions": {s: runs[s][0]["versions"] for s in sides}, "runs": runs,
+    }
+    args.out.write_text(json.dumps(out, indent=1))
+    _print_table(summary, ratios, sides)
+    print(f"load average (1 min) at launches: {', '.join(f'{x:.1f}' for x in load)}; written {args.out}")
+    return 0
+
+
+def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
+    rows = [("median step time (s)", "median_step_s", "{:.2f}"),
+            ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
+            ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"),
+            ("peak RSS (GiB)", "peak_rss_gb", "{:.2f}"),
+            ("RSS after model load (GiB)", "rss_after_setup_gb", "{:.2f}"),
+            ("median generate (s)", "median_generate_s", "{:.2f}"),
+            ("mean completion tokens", "mean_completion_tokens", "{:.1f}")]
+    head = f"| {'metric':<28} | " + " | ".join(f"{s:>10}" for s in sides) + (" | ours/TRL |" if ratios else " |")
+    print(head)
+    print("|" + "---|" * (len(sides) + 1 + bool(ratios)))
+    for label, key, fmt in rows:
+        cells = " | ".join(f"{fmt.format(summary[s][key]):>10}" for s in sides)
+        ratio = f" | {ratios[key]:8.2f} |" if key in ratios else (" |        |" if ratios else " |")
+        print(f"| {label:<28} | {cells}{ratio}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

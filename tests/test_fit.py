@@ -68,15 +68,15 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_embedded_model_fit_few_steps(tmp_path, monkeypatch):
     """The embedded SmolLM2-135M, G = 8, m = 3, a few steps: logs, saves a reloadable adapter, resumes."""
-    run = _fit(tmp_path, monkeypatch, "--model.model.name=smollm2-135m", "--model.model.dtype=bf16",
-               "--rollout.group_size=8", "--data.batch_size=1", "--rollout.sampling.max_new_tokens=64",
-               "--trainer.max_steps=2", "--model.optim.micro_batch_size=8")
+    embedded = ("--model.model.name=smollm2-135m", "--model.model.dtype=auto",
+                "--model.model.gradient_checkpointing=true", "--rollout.group_size=8", "--data.batch_size=1",
+                "--rollout.sampling.max_new_tokens=64", "--data.max_prompt_tokens=300",
+                "--model.optim.micro_batch_size=8")
+    run = _fit(tmp_path, monkeypatch, *embedded, "--trainer.max_steps=2")
     scalars = _scalars(run)
     assert scalars["train/rollout/tokens_per_s"][-1][1] > 0
     print({k: v[-1][1] for k, v in scalars.items() if k.startswith("train/")})
-    _fit(tmp_path, monkeypatch, "--model.model.name=smollm2-135m", "--model.model.dtype=bf16",
-         "--rollout.group_size=8", "--data.batch_size=1", "--rollout.sampling.max_new_tokens=64",
-         "--trainer.max_steps=3", "--model.optim.micro_batch_size=8", "--ckpt_path=last")
+    _fit(tmp_path, monkeypatch, *embedded, "--trainer.max_steps=3", "--ckpt_path=last")
     assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 3
 
 

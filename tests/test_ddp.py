@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_reliability import HELPERS
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "data/tooluse/val.jsonl")
 
 
 def _fit(cwd: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
+    # The random tiny model never writes tagged answers, so real rewards would all be 0 (no update to compare): the
+    # tagging engine and text rewards of tests/test_reliability.py give non-zero advantages from its own samples.
+    (cwd / "ddp_helpers.py").write_text(HELPERS)
     cmd = [sys.executable, "-m", "vpo_lightning.cli", "fit", "--config", str(REPO / "configs/debug.yaml"),
            f"--run_name={run}", f"--data.train_files=[{DATA}]", "--data.val_files=null",
-           "--trainer.limit_val_batches=0",
+           "--trainer.limit_val_batches=0", "--rollout.engine=ddp_helpers.TaggingEngine",
+           "--rollout.rewards=[ddp_helpers.length,ddp_helpers.letters]", "--model.optim.lr=1e-3",
            "--rollout.save_completions=true", "--rollout.engine.init_args.per_prompt_seed=true",
            "--rollout.log_samples_every=0", "--trainer.accelerator=cpu", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

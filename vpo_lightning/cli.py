@@ -27,6 +27,7 @@ from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
 from vpo_lightning.rollout import RolloutCallback
+from vpo_lightning.tools import report_error
 
 OUTPUT_ROOT = "checkpoints"
 _QUIET = (  # Lightning warnings that do not apply to this app's design
@@ -135,10 +136,7 @@ def main(args: list[str] | None = None) -> Any:
             subclass_mode_data=False,
         )
     except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:
-        if os.environ.get("VPO_DEBUG"):
-            raise
-        print(f"vpo: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report_error("vpo", err)) from None
     return None
 
 

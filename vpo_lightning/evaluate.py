@@ -17,9 +17,7 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
@@ -29,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
 
@@ -538,10 +538,7 @@ def main(argv: list[str]) -> int:
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        if os.environ.get("VPO_DEBUG"):
-            raise
-        print(f"vpo eval: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
-        return 2
+        return report_error("vpo eval", err)
     report = json.loads((out / "eval.json").read_text())
     agg, n = report["aggregate"], report["n"]
     print(f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "

@@ -29,8 +29,6 @@ import argparse
 import json
 import logging
 import math
-import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -39,6 +37,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +270,7 @@ def main(argv: list[str]) -> int:
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        if os.environ.get("VPO_DEBUG"):
-            raise
-        print(f"vpo search: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
-        return 2
+        return report_error("vpo search", err)
     report = json.loads((out / "search.json").read_text())
     agg = report["aggregate"]
     print(f"{report['label']}: {report['mode']} budget {report['budget']} (m = {report['m']}): solved "

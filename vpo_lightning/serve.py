@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.tools import report_error
+
 log = logging.getLogger(__name__)
 
 OWNER = "vpo-lightning"
@@ -834,10 +836,7 @@ def main(argv: list[str]) -> int:
                               adapter_name=adapter_name, settings=settings, host=args.host, port=args.port,
                               device=device)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        if os.environ.get("VPO_DEBUG"):
-            raise
-        print(f"vpo serve: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
-        return 2
+        return report_error("vpo serve", err)
     if not _is_loopback(args.host):
         print(f"vpo serve: warning: binding {args.host} exposes the model beyond this machine"
               + ("" if args.api_key else " with no API key (--api-key)"), file=sys.stderr)

@@ -6,6 +6,8 @@ Each lives in its own module with a ``main(argv: list[str]) -> int`` and is impo
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 COMMANDS = {
     "eval": "vpo_lightning.evaluate",
@@ -14,6 +16,14 @@ COMMANDS = {
     "serve": "vpo_lightning.serve",
     "search": "vpo_lightning.search",
 }
+
+
+def report_error(command: str, err: BaseException) -> int:
+    """Print ``<command>: error: ...`` for bad input and return exit code 2; with ``VPO_DEBUG`` set, re-raise."""
+    if os.environ.get("VPO_DEBUG"):
+        raise err
+    print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str]) -> int:

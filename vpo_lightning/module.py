@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
-from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
+from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer, resolve_dtype
+from vpo_lightning.packing import packed_micro_batches
 from vpo_lightning.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class OptimSettings:
         max_grad_norm: gradient clipping norm (0 = off).
         num_iterations: optimizer passes over each rollout batch (PPO epochs); old log-probs are kept when > 1.
         micro_batch_size: chains per forward/backward (gradients accumulate over a step's B * G chains).
+        share_prompt: pack each prompt once with up to micro_batch_size of its chains (a 4D attention mask, no
+            padding), so training runs the shared prompt once per micro-batch instead of once per chain; same
+            log-probs and gradients. Ignored with flash_attention_2 (no custom masks there).
         logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
         max_bad_steps: stop with an error after this many non-finite steps in a row.
     """
@@ -66,6 +70,7 @@ class OptimSettings:
     max_grad_norm: float = 1.0
     num_iterations: int = 1
     micro_batch_size: int = 8
+    share_prompt: bool = True
     logprob_chunk_size: int = 1024
     max_bad_steps: int = 3
 
@@ -137,6 +142,12 @@ class VPOModule(L.LightningModule):
                             entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Per-token log-probs of the completion tokens, ``[n, L]``, from a chunked pass over hidden states."""
         decoder, head = self._decoder_and_head(model)
+        if "gather" in mb:  # a packed row: [prompt | completion_1 | ... | completion_n]
+            hidden = decoder(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                             position_ids=mb["position_ids"], use_cache=False).last_hidden_state  # [1, T, H]
+            hidden = hidden[0, mb["gather"]]  # [n, L, H] the state that predicts each completion token
+            return per_token_logprobs(hidden, head, mb["targets"], chunk_size=self.optim_settings.logprob_chunk_size,
+                                      temperature=temperature, return_entropy=entropy)
         attn = mb["attention_mask"]  # [n, P + L]
         position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # [n, P + L] matches generate() with left padding
         hidden = decoder(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids,
@@ -176,7 +187,7 @@ class VPOModule(L.LightningModule):
         return max(whole, 1.0)
 
     def _prepare(self, ro: Rollout) -> list[dict[str, Tensor]]:
-        mbs = _micro_batches(ro, self.optim_settings.micro_batch_size)
+        mbs = self._micro_batches(ro)
         for mb in mbs:
             mb["advantages"] = ro.advantages[mb["index"]].to(self.device)  # [n]
             if self.loss_settings.beta > 0:
@@ -185,6 +196,22 @@ class VPOModule(L.LightningModule):
                 with torch.no_grad():  # skipped when num_iterations = 1: then old = logp.detach() exactly
                     mb["old"] = self.completion_logprobs(self.policy, mb, ro.temperature)
         return mbs
+
+    def _micro_batches(self, ro: Rollout) -> list[dict[str, Tensor]]:
+        size = self.optim_settings.micro_batch_size
+        attn_impl = self.model_settings.attn_implementation
+        if not self.optim_settings.share_prompt or attn_impl == "flash_attention_2":
+            return _micro_batches(ro, size)
+        mask_dtype = torch.bool if attn_impl == "sdpa" else self._compute_dtype()
+        mbs = packed_micro_batches(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.prompt_length, size,
+                                   mask_dtype)
+        return [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype of the attention scores (eager attention adds the mask to them)."""
+        if self.model_settings.load_in_4bit:
+            return resolve_dtype(self.model_settings.bnb_compute_dtype)
+        return resolve_dtype(self.model_settings.dtype)
 
     def _engine_gap(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> float:
         """Mean |engine log-prob - trainer log-prob| over generated tokens (the train/inference mismatch)."""

@@ -201,6 +201,23 @@ def test_server_survives_errors_and_limits(server, client):
     assert len(r.choices) == 1 and server.generator.stats["errors"] == 0
 
 
+def test_close_ends_keep_alive_connections(server):
+    """A client that keeps its connection open must not leave a handler thread alive after close(): daemon threads
+    still running at interpreter exit get killed inside torch calls (std::terminate, exit status 134)."""
+    gen = server.generator
+    srv = build_server(gen.model, gen.tokenizer, base_name="tiny-llama", adapter_name="vpo",
+                       settings=ServeSettings(), port=0).start()
+    before = set(threading.enumerate())  # the module server's own keep-alive handlers stay out of the check
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().read()  # HTTP/1.1 keep-alive: the handler now waits for the next request
+    handlers = [t for t in set(threading.enumerate()) - before if "process_request_thread" in t.name]
+    assert handlers
+    srv.close()
+    assert not any(t.is_alive() for t in handlers)
+    conn.close()
+
+
 def test_parse_messages_and_settings():
     parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert parse_messages(parts) == [{"role": "system", "content": "ab"}]

@@ -27,6 +27,7 @@ from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
 from vpo_lightning.rollout import RolloutCallback
+from vpo_lightning.runtime import tune_malloc
 from vpo_lightning.tools import report_error
 
 OUTPUT_ROOT = "checkpoints"
@@ -120,6 +121,7 @@ def main(args: list[str] | None = None) -> Any:
         warnings.filterwarnings("ignore", message=pattern)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tune_malloc()  # keep freed logits-sized buffers in the heap; VPO_MALLOC_TUNING=0 turns it off
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] in ("eval", "compare", "plan", "serve", "search"):
         from vpo_lightning import tools

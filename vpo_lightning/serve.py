@@ -444,6 +444,7 @@ class OpenAIServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._connections = threading.BoundedSemaphore(max(64, 4 * settings.max_concurrency))
         self._serve_thread: threading.Thread | None = None
+        self._open: dict[Any, threading.Thread] = {}  # connection socket -> its handler thread
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -463,12 +464,23 @@ class OpenAIServer(ThreadingHTTPServer):
         return self
 
     def close(self) -> None:
-        """Stop serving, fail queued requests with 503 and release the socket."""
+        """Stop serving, fail queued requests with 503, release the socket and end open connections' threads."""
         if self._serve_thread is not None:
             self.shutdown()
             self._serve_thread.join(timeout=10)
         self.generator.close()
         self.server_close()
+        # Keep-alive clients leave handler threads blocked on their next request line; daemon threads still alive
+        # at interpreter exit are killed mid-call (std::terminate inside torch). Close their sockets and join them.
+        with self._lock:
+            open_now = list(self._open.items())
+        for sock, _ in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _, thread in open_now:
+            thread.join(timeout=10)
 
     # connection cap: beyond it a client gets 503 and the connection is closed, no thread is spawned
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -484,9 +496,13 @@ class OpenAIServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            self._open[request] = threading.current_thread()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._lock:
+                self._open.pop(request, None)
             self._connections.release()
 
     # admission control for generation requests
@@ -855,7 +871,6 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.generator.close()
-        server.server_close()
+        server.close()
     print("vpo serve: stopped", flush=True)
     return 0

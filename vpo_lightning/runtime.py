@@ -1,0 +1,60 @@
+"""Process-level runtime settings applied once at the start of ``vpo`` commands.
+
+glibc's malloc returns every large block (>= 32 MiB-ish, dynamic threshold) to the kernel with ``munmap`` and trims
+the heap top eagerly. A training step allocates and frees logits-sized buffers (hundreds of MB) many times, so with
+the defaults the kernel re-faults the same pages on every micro-batch. Keeping freed memory in the heap removes that
+cost (measured in ``benchmarks/vs_trl.py``). The same effect is available to any program through the environment
+variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... MALLOC_TOP_PAD_=...``; ``mallopt`` sets them in-process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+# mallopt parameter numbers from glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_MAX = -4
+
+_DEFAULTS = {"mmap_max": 0, "trim_threshold": 4 << 30, "top_pad": 256 << 20}
+
+
+def tune_malloc(
+    mmap_max: int = _DEFAULTS["mmap_max"],
+    trim_threshold: int = _DEFAULTS["trim_threshold"],
+    top_pad: int = _DEFAULTS["top_pad"],
+) -> bool:
+    """Keep freed memory in the glibc heap instead of returning it to the kernel after every large free.
+
+    Returns True when the settings were applied. A no-op (False) outside Linux/glibc, when the user already set any
+    ``MALLOC_*_`` variable (their choice wins), or when ``VPO_MALLOC_TUNING=0``.
+    """
+    if os.environ.get("VPO_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if any(key in os.environ for key in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    top_pad = min(top_pad, 2**31 - 1)
+    trim_threshold = min(trim_threshold, 2**31 - 1)
+    applied = all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_MMAP_MAX, mmap_max), (_M_TRIM_THRESHOLD, trim_threshold), (_M_TOP_PAD, top_pad))
+    )
+    if applied:
+        log.debug("malloc tuned: mmap_max=%d trim_threshold=%d top_pad=%d", mmap_max, trim_threshold, top_pad)
+    return applied

@@ -141,7 +141,9 @@ def run_ours(spec: dict) -> dict:
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
     from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
     from vpo_lightning.rollout import RolloutCallback
+    from vpo_lightning.runtime import tune_malloc
 
+    tune_malloc()  # as `vpo fit` does (a no-op when --env sets MALLOC_* for both sides)
     clock = _Clock()
     records = spec["records"]
     B, G = spec["prompts_per_step"], spec["group_size"]

@@ -41,6 +41,18 @@ def test_estimate_is_monotone_in_micro_batch_and_length(config: Path) -> None:
     assert with_gc < vplan.peak_bytes(replace(p, micro_batch_size=16), arch)
 
 
+def test_shared_prompt_counts_the_prompt_once() -> None:
+    p, arch = _plan(ROOT / "configs" / "tooluse.yaml", gradient_checkpointing=False, micro_batch_size=8, dtype="fp32",
+                    prompt_tokens=500, max_new_tokens=192, group_size=8)
+    full_layer = 4 * (vplan.ACT_VALUES_PER_H * arch.hidden + vplan.ACT_VALUES_PER_I * arch.intermediate)
+    packed = vplan.estimate(replace(p, share_prompt=True), arch)["train"]
+    plain = vplan.estimate(replace(p, share_prompt=False), arch)["train"]
+    assert packed["activations (1 packed row of 500 + 8 x 192 tokens, 30 layers)"] == (500 + 8 * 192) * 30 * full_layer
+    assert plain["activations (8 x 692 tokens, 30 layers)"] == 8 * 692 * 30 * full_layer
+    # a micro-batch larger than G adds nothing when rows hold one group's chains
+    assert vplan.peak_bytes(replace(p, micro_batch_size=16), arch) == vplan.peak_bytes(p, arch)
+
+
 def test_four_bit_is_smaller_than_bf16() -> None:
     p, arch = _plan(ROOT / "configs" / "tooluse_qwen7b_qlora.yaml")
     assert vplan.peak_bytes(p, arch) < vplan.peak_bytes(replace(p, load_in_4bit=False, dtype="bf16"), arch)

@@ -135,6 +135,7 @@ class Plan:
     lora_r: int = 16
     lora_targets: Any = "all-linear"
     micro_batch_size: int = 8
+    share_prompt: bool = True
     logprob_chunk_size: int = 1024
     num_iterations: int = 1
     beta: float = 1e-3
@@ -225,6 +226,8 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
         lora_r=int(_get(cfg, "model.model.lora.r", 16)),
         lora_targets=_get(cfg, "model.model.lora.target_modules", "all-linear"),
         micro_batch_size=int(_get(cfg, "model.optim.micro_batch_size", 8)),
+        share_prompt=bool(_get(cfg, "model.optim.share_prompt", True))
+        and _get(cfg, "model.model.attn_implementation", "sdpa") != "flash_attention_2",
         logprob_chunk_size=int(_get(cfg, "model.optim.logprob_chunk_size", 1024)),
         num_iterations=int(_get(cfg, "model.optim.num_iterations", 1)),
         beta=float(_get(cfg, "model.loss.beta", 1e-3)),
@@ -318,20 +321,27 @@ def estimate(plan: Plan, arch: Arch, device: str = "cuda") -> dict[str, Any]:
     # ---- training phase (one micro-batch at a time)
     n = min(plan.micro_batch_size, plan.batch_size * plan.group_size)  # a micro-batch never exceeds the B * G chains
     T, L = plan.prompt_tokens + plan.max_new_tokens, plan.max_new_tokens
-    tokens = n * T
+    if plan.share_prompt:  # one packed row: the prompt once, then up to n chains of its group (module.packing)
+        n = min(n, plan.group_size)
+        T = plan.prompt_tokens + n * L
+        tokens, shape = T, f"1 packed row of {plan.prompt_tokens} + {n} x {L}"
+    else:
+        tokens, shape = n * T, f"{n} x {T}"
     full_layer = 4 * (ACT_VALUES_PER_H * arch.hidden + ACT_VALUES_PER_I * arch.intermediate)  # bytes/token/layer fp32
     if wb == 2:
         full_layer *= HALF_ACT_FACTOR
     if plan.gradient_checkpointing:
         acts = tokens * (arch.layers * arch.hidden * wb + full_layer)
-        act_label = f"activations, checkpointed ({n} x {T} tokens: layer inputs + one layer recomputed)"
+        act_label = f"activations, checkpointed ({shape} tokens: layer inputs + one layer recomputed)"
     else:
         acts = tokens * arch.layers * full_layer
-        act_label = f"activations ({n} x {T} tokens, {arch.layers} layers)"
+        act_label = f"activations ({shape} tokens, {arch.layers} layers)"
     chunk = min(plan.logprob_chunk_size, n * L)
     logprob = LOGPROB_BUFFERS * chunk * arch.vocab * 4 + tokens * arch.hidden * 4
     # the rollout tensors (ids, masks, old/ref log-probs of B*G chains) are tiny next to the rest
     train = {act_label: acts, f"log-prob chunk ({chunk} x V={arch.vocab}) + final hidden states": logprob}
+    if plan.share_prompt:  # the [T, T] block mask, and one layer's attention scores where SDPA falls back to math
+        train[f"packed attention mask + one layer's scores ({T} x {T})"] = T * T * (1 + arch.heads * 4)
     # ---- rollout phase
     N, S = plan.batch_size * plan.group_size, plan.prompt_tokens + plan.max_new_tokens
     if plan.engine == "VLLMEngine":
@@ -374,13 +384,16 @@ def peak_bytes(plan: Plan, arch: Arch, capacity: float = 24 * GiB, device: str =
 
 
 def suggest(plan: Plan, arch: Arch, capacity: float, device: str, headroom: float = 0.9) -> tuple[Plan | None, str]:
-    """The fastest settings that fit in ``headroom * capacity``: the largest micro-batch (up to B * G) and chunk.
+    """The fastest settings that fit in ``headroom * capacity``: the largest micro-batch (up to B * G, or G when
+    prompts are shared) and chunk.
 
     Returns ``(plan, "")`` or ``(None, message naming the knobs to change)``.
     """
     budget = headroom * capacity
     chains = plan.batch_size * plan.group_size
-    sizes = sorted({min(chains, 2**k) for k in range(0, 11)} | {plan.micro_batch_size}, reverse=True)
+    if plan.share_prompt:  # a packed row holds chains of one group only: a bigger micro-batch changes nothing
+        chains = plan.group_size
+    sizes = sorted({min(chains, 2**k) for k in range(0, 11)} | {min(plan.micro_batch_size, chains)}, reverse=True)
     chunks = [c for c in (4096, 2048, 1024, 512, 256, 128) if c <= max(plan.logprob_chunk_size, 1024)]
     for gc in ([plan.gradient_checkpointing] + ([True] if not plan.gradient_checkpointing else [])):
         for mb in sizes:

@@ -45,3 +45,13 @@ def in_repo(monkeypatch):
 @pytest.fixture(autouse=True)
 def _quiet_tokenizers():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture()
+def one_thread():
+    """One torch intra-op thread: the tiny model's ops are so small that on a busy CPU a thread pool only adds
+    waiting. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -41,13 +41,7 @@ RESUME_ABS, RESUME_REL = 1e-9, 1e-6
 # ------------------------------------------------------------------------------------------- helpers (unit tier)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the tiny model's ops are so small that on a busy CPU a thread pool only adds waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 

@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from vpo_lightning.cli import main as vpo
@@ -33,13 +32,7 @@ def _config(folder: Path, **rollout) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model is overhead-bound: one torch thread is far faster on a busy shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 def _search(*args: str) -> dict:

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
-from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer, resolve_dtype
-from vpo_lightning.packing import packed_micro_batches
+from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
+from vpo_lightning.packing import packed_micro_batches, packing_enabled
 from vpo_lightning.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -200,18 +200,13 @@ class VPOModule(L.LightningModule):
     def _micro_batches(self, ro: Rollout) -> list[dict[str, Tensor]]:
         size = self.optim_settings.micro_batch_size
         attn_impl = self.model_settings.attn_implementation
-        if not self.optim_settings.share_prompt or attn_impl == "flash_attention_2":
+        if not packing_enabled(self.optim_settings.share_prompt, attn_impl):
             return _micro_batches(ro, size)
-        mask_dtype = torch.bool if attn_impl == "sdpa" else self._compute_dtype()
+        # SDPA takes a boolean mask; eager attention adds the mask to scores in the model's compute dtype
+        mask_dtype = torch.bool if attn_impl == "sdpa" else self.policy.get_input_embeddings().weight.dtype
         mbs = packed_micro_batches(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.prompt_length, size,
                                    mask_dtype)
         return [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
-
-    def _compute_dtype(self) -> torch.dtype:
-        """The dtype of the attention scores (eager attention adds the mask to them)."""
-        if self.model_settings.load_in_4bit:
-            return resolve_dtype(self.model_settings.bnb_compute_dtype)
-        return resolve_dtype(self.model_settings.dtype)
 
     def _engine_gap(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> float:
         """Mean |engine log-prob - trainer log-prob| over generated tokens (the train/inference mismatch)."""

@@ -17,6 +17,11 @@ import torch
 from torch import Tensor
 
 
+def packing_enabled(share_prompt: bool, attn_implementation: str) -> bool:
+    """Whether training packs prompts (``optim.share_prompt``): flash_attention_2 takes no custom 4D masks."""
+    return share_prompt and attn_implementation != "flash_attention_2"
+
+
 def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> list[list[int]]:
     """Rows with identical prompts (real tokens, padding ignored), in first-seen order.
 
@@ -77,9 +82,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor
             gather[j, :length] = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + length - 1)])
             targets[j, :length] = comp
         start += length
-    cmask = completion_mask[rows, :L]  # [n, L]
-    if cmask.shape[1] < L:  # completion_mask narrower than the real lengths cannot happen; guard the slicing
-        raise ValueError(f"completion_mask has {cmask.shape[1]} columns, fewer than the {L} generated tokens")
+    cmask = completion_mask[rows, :L]  # [n, L] (completion_mask is at least max(1, longest) wide)
     return {
         "input_ids": torch.cat(pieces)[None],  # [1, T]
         "position_ids": torch.cat(positions)[None],  # [1, T]

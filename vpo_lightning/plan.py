@@ -203,6 +203,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
     ``resolve_dtype`` picks on this machine.
     """
     from vpo_lightning.models import resolve_dtype
+    from vpo_lightning.packing import packing_enabled
 
     dtype = str(_get(cfg, "model.model.dtype", "auto"))
     accelerator = str(_get(cfg, "trainer.accelerator", "auto"))
@@ -226,8 +227,8 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
         lora_r=int(_get(cfg, "model.model.lora.r", 16)),
         lora_targets=_get(cfg, "model.model.lora.target_modules", "all-linear"),
         micro_batch_size=int(_get(cfg, "model.optim.micro_batch_size", 8)),
-        share_prompt=bool(_get(cfg, "model.optim.share_prompt", True))
-        and _get(cfg, "model.model.attn_implementation", "sdpa") != "flash_attention_2",
+        share_prompt=packing_enabled(bool(_get(cfg, "model.optim.share_prompt", True)),
+                                     str(_get(cfg, "model.model.attn_implementation", "sdpa"))),
         logprob_chunk_size=int(_get(cfg, "model.optim.logprob_chunk_size", 1024)),
         num_iterations=int(_get(cfg, "model.optim.num_iterations", 1)),
         beta=float(_get(cfg, "model.loss.beta", 1e-3)),

@@ -22,14 +22,8 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 
-_DEFAULTS = {"mmap_max": 0, "trim_threshold": 4 << 30, "top_pad": 256 << 20}
 
-
-def tune_malloc(
-    mmap_max: int = _DEFAULTS["mmap_max"],
-    trim_threshold: int = _DEFAULTS["trim_threshold"],
-    top_pad: int = _DEFAULTS["top_pad"],
-) -> bool:
+def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int = 256 << 20) -> bool:
     """Keep freed memory in the glibc heap instead of returning it to the kernel after every large free.
 
     Returns True when the settings were applied. A no-op (False) outside Linux/glibc, when the user already set any

@@ -98,3 +98,24 @@ def test_task_configs_train_end_to_end(config, tmp_path, monkeypatch):
     for d in dims:
         assert f"train/reward/{d}" in scalars, sorted(scalars)
     assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
+def test_token_budget_stops_training_and_checkpoints_the_stop(tmp_path, monkeypatch):
+    """rollout.max_generated_tokens ends the run after the step that crosses it (max_steps stays a cap); the count
+    and the stop step are in last.ckpt, and a resumed run with a larger budget continues from the saved count."""
+    run = _fit(tmp_path, monkeypatch, "--trainer.max_steps=20", "--checkpoint.every_n_train_steps=7",
+               "--trainer.limit_val_batches=0", "--rollout.max_generated_tokens=200")
+    per_step = [v for _, v in sorted(_scalars(run)["train/rollout/tokens"])]
+    # debug: 2 prompts x G=4 chains x <= 24 tokens = at most 192 tokens a step, so 200 needs at least 2 steps
+    crossed = next(i + 1 for i in range(len(per_step)) if sum(per_step[: i + 1]) >= 200)
+    assert len(per_step) == crossed >= 2, per_step
+    ckpt = torch.load(run / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == crossed  # the stop step is saved even though it is not a multiple of 7
+    (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutCallback")]
+    assert state == {"generated_tokens": int(sum(per_step))}
+
+    _fit(tmp_path, monkeypatch, "--trainer.max_steps=20", "--checkpoint.every_n_train_steps=7",
+         "--trainer.limit_val_batches=0", f"--rollout.max_generated_tokens={int(sum(per_step)) + 1}",
+         "--ckpt_path=last")
+    ckpt = torch.load(run / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == crossed + 1  # one more step crosses the raised budget

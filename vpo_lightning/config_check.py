@@ -61,11 +61,16 @@ def is_known(key: str, leaves: frozenset[str], sections: frozenset[str]) -> bool
 
 
 def suggest(key: str, known: Iterable[str], n: int = 2) -> list[str]:
-    """The closest known keys to ``key``: by its last part within the same section; failing that, by the whole dotted
-    key; failing that, the keys with the same last part in another section (``model.lora.r`` -> ``model.model.lora.r``).
+    """The closest known keys to ``key``: the same last part one level deeper in its section
+    (``rollout.max_new_tokens`` -> ``rollout.sampling.max_new_tokens``); by its last part within the same section;
+    failing that, by the whole dotted key; failing that, the keys with the same last part in another section
+    (``model.lora.r`` -> ``model.model.lora.r``).
     """
     known = sorted(set(known))
     parent, _, last = key.rpartition(".")
+    nested = [k for k in known if parent and k.startswith(parent + ".") and k.rpartition(".")[2] == last]
+    if nested:
+        return nested[:n]
     siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
     close = [siblings[m] for m in difflib.get_close_matches(last, list(siblings), n=n, cutoff=0.75)]
     close = close or difflib.get_close_matches(key, known, n=n, cutoff=0.75)

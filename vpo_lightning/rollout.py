@@ -100,6 +100,9 @@ class RolloutCallback(L.Callback):
         reward_workers: threads for rewards that run subprocesses (code); default: the CPU count.
         save_completions: append every sampled chain (step, prompt id, text, reward vectors, advantage) to
             ``<run dir>/completions/rank<r>.jsonl`` for later analysis.
+        max_generated_tokens: stop training after the optimizer step at which the run (all ranks) has generated
+            this many tokens; ``trainer.max_steps`` stays a cap. For baselines matched on compute, not on steps
+            (a VPO chain and a GRPO answer differ in length). None = no token budget.
     """
 
     def __init__(
@@ -117,15 +120,26 @@ class RolloutCallback(L.Callback):
         log_samples_every: int = 10,
         reward_workers: int | None = None,
         save_completions: bool = False,
+        max_generated_tokens: int | None = None,
     ) -> None:
         _validate(estimator, num_candidates, group_size, num_weights, alpha)
+        if max_generated_tokens is not None and max_generated_tokens < 1:
+            raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
         self.reward_names, self.estimator = list(rewards), estimator
         self.m = num_candidates if estimator in CHAIN_ESTIMATORS else 1
         self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
         self.sampling, self.engine = sampling, engine
         self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
         self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
+        self.max_generated_tokens = max_generated_tokens
+        self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.generated_tokens = int(state_dict.get("generated_tokens", 0))
 
     # ---- Lightning hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -139,6 +153,10 @@ class RolloutCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
         self._ensure_engine(pl_module)
         batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank)
+        tokens = batch["rollout"].metrics["rollout/tokens"]
+        if trainer.world_size > 1:  # every rank must agree on when the budget runs out
+            tokens = float(trainer.strategy.reduce(torch.tensor(tokens, dtype=torch.float64), reduce_op="sum"))
+        self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])
         if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
@@ -148,6 +166,11 @@ class RolloutCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.engine.sync(pl_module)
+        if self.max_generated_tokens is not None and self.generated_tokens >= self.max_generated_tokens:
+            if not trainer.should_stop:
+                log.info("token budget reached: %d generated tokens >= rollout.max_generated_tokens=%d; stopping "
+                         "after step %d", self.generated_tokens, self.max_generated_tokens, trainer.global_step)
+            trainer.should_stop = True
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:

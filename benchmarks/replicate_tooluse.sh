@@ -27,6 +27,8 @@
 #                        steps: GRPO trains for STEPS optimizer steps
 #   N [12]               solutions per test prompt (a multiple of m = 3)
 #   PROMPTS [40]         test prompts (a seeded sample of data/tooluse/test.jsonl, prompt seed 0)
+#   REUSE_VPO [0]        1: keep an existing checkpoints/$PREFIX-$TASK-vpo run (its last.ckpt must be at STEPS) and
+#                        only train GRPO and evaluate
 #   SEED [0]             training seed (seed_everything, rollout.seed) and evaluation sampling seed
 #   MAX_NEW_TOKENS []    override rollout.sampling.max_new_tokens in training and evaluation (empty: configs' 192)
 #   DTYPE []             override model.model.dtype everywhere (empty: configs' auto = bf16 where the hardware has
@@ -43,6 +45,7 @@ cd "$(dirname "$0")/.."
 TASK=${TASK:-tooluse}
 STEPS=${STEPS:-40}
 MATCH=${MATCH:-tokens}
+REUSE_VPO=${REUSE_VPO:-0}
 [[ "$MATCH" == tokens || "$MATCH" == steps ]] || { echo "MATCH=$MATCH: use tokens or steps" >&2; exit 2; }
 N=${N:-12}
 PROMPTS=${PROMPTS:-40}
@@ -103,7 +106,11 @@ evaluate() {  # $1 = output name, $2 = label, then `vpo eval` arguments
   WALL[eval-$name]=$((SECONDS - t0))
 }
 
-train vpo "$VPO_CONFIG" "$STEPS"
+if [[ "$REUSE_VPO" == 1 && -f "checkpoints/$PREFIX-$TASK-vpo/last.ckpt" ]]; then
+  echo "=== REUSE_VPO=1: keeping checkpoints/$PREFIX-$TASK-vpo"
+else
+  train vpo "$VPO_CONFIG" "$STEPS"
+fi
 if [[ "$MATCH" == tokens ]]; then
   VPO_TOKENS=$(run_tokens "$PREFIX-$TASK-vpo")
   echo "=== the VPO run generated $VPO_TOKENS tokens: GRPO trains until it has generated as many"
@@ -143,7 +150,7 @@ DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cu
   echo
   echo "## How this was produced"
   echo
-  echo "\`bash benchmarks/replicate_tooluse.sh\` with TASK=$TASK STEPS=$STEPS MATCH=$MATCH N=$N PROMPTS=$PROMPTS SEED=$SEED" \
+  echo "\`bash benchmarks/replicate_tooluse.sh\` with TASK=$TASK STEPS=$STEPS MATCH=$MATCH REUSE_VPO=$REUSE_VPO N=$N PROMPTS=$PROMPTS SEED=$SEED" \
     "MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-config} DTYPE=${DTYPE:-config} EXTRA_FIT='$EXTRA_FIT' EXTRA_EVAL='$EXTRA_EVAL'," \
     "commit $COMMIT$DIRTY, started $START on $DEVICE ($(nproc) CPU cores)."
   if [[ "$MATCH" == tokens ]]; then
@@ -158,7 +165,7 @@ DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cu
   echo "| phase | wall time (s) |"
   echo "|---|---|"
   for phase in train-vpo train-grpo eval-vpo eval-grpo eval-base-single eval-base-chains; do
-    echo "| $phase | ${WALL[$phase]} |"
+    echo "| $phase | ${WALL[$phase]:-not run (REUSE_VPO=1)} |"
   done
 } >> "$RESULTS"
 echo "=== wrote $RESULTS"

@@ -64,3 +64,17 @@ def test_one_rank_batch_2b_equals_two_ranks_batch_b(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
     # LoRA B starts at zero: non-zero B weights mean the update really happened in both runs
     assert any("lora_B" in k and a[k].abs().sum() > 0 for k in a)
+
+
+@pytest.mark.slow
+def test_token_budget_counts_all_ranks_and_stops_them_together(tmp_path):
+    """rollout.max_generated_tokens counts the tokens of all ranks. The random tiny model (almost) never samples EOS, so
+    each rank generates 1 prompt x G=4 x 24 = 96 tokens a step: a budget of 150 is crossed after step 1 only when both
+    ranks' tokens count (per rank it would take 2 steps), and both ranks must stop together (a rank that stopped alone
+    would leave the other blocked in its next all-reduce until the timeout)."""
+    _fit(tmp_path, "budget", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=6",
+         "--data.batch_size=1", "--checkpoint.every_n_train_steps=6", "--rollout.max_generated_tokens=150")
+    ckpt = torch.load(tmp_path / "checkpoints" / "budget" / "last.ckpt", weights_only=False)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutCallback")]
+    assert ckpt["global_step"] == 1 and 150 <= state["generated_tokens"] <= 192, (ckpt["global_step"], state)
+    assert [len(_seen(tmp_path / "checkpoints" / "budget", r)) for r in (0, 1)] == [1, 1]

@@ -155,7 +155,7 @@ class RolloutCallback(L.Callback):
         batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank)
         tokens = batch["rollout"].metrics["rollout/tokens"]
         if trainer.world_size > 1:  # every rank must agree on when the budget runs out
-            tokens = float(trainer.strategy.reduce(torch.tensor(tokens, dtype=torch.float64), reduce_op="sum"))
+            tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
         self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])

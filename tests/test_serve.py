@@ -131,6 +131,27 @@ def test_concurrent_requests_are_batched(server, client):
     assert stats["max_batch_requests"] >= 2
 
 
+def test_ignore_seed_lets_seeded_requests_share_a_batch(server):
+    """OpenEvolve sends a new seed with every request: by default each gets its own generate call (keys differ);
+    with ignore_seed the keys are equal, so the batcher groups them (and a bad seed is still a 400)."""
+    from vpo_lightning.serve import APIError
+
+    ignoring = build_server(server.generator.model, server.generator.tokenizer, base_name="tiny-llama",
+                            adapter_name="vpo", settings=ServeSettings(max_n=4, max_batch_size=16, ignore_seed=True),
+                            port=0)
+    try:
+        bodies = [{"model": "vpo", "messages": MSG, "max_tokens": 4, "seed": seed} for seed in (1, 2)]
+        strict = [server.build_job(b)[0].key for b in bodies]
+        loose = [ignoring.build_job(b)[0].key for b in bodies]
+        assert strict[0] != strict[1] and [k.seed for k in strict] == [1, 2]
+        assert loose[0] == loose[1] and loose[0].seed is None
+        with pytest.raises(APIError) as err:
+            ignoring.build_job({**bodies[0], "seed": "x"})
+        assert err.value.status == 400
+    finally:
+        ignoring.server_close()
+
+
 def test_adapter_and_base_differ(client):
     outs = {name: client.chat.completions.create(model=name, messages=MSG, max_tokens=8, temperature=0)
             .choices[0].message.content for name in ("vpo", "tiny-llama")}
@@ -238,7 +259,7 @@ def test_openevolve_two_iterations_against_vpo_serve(tmp_path, tiny_model_dir):
         pytest.skip("openevolve is not installed (bash benchmarks/setup_openevolve.sh pins openevolve==0.4.1)")
     out = tmp_path / "openevolve_results.md"
     cmd = [sys.executable, str(REPO / "benchmarks/openevolve_code.py"), "--model", "tiny-llama", "--iterations", "2",
-           "--problem-ids", "HumanEval/1", "--max-tokens", "16", "--work-dir", str(tmp_path / "work"),
+           "--problem-ids", "HumanEval/1", "--max-tokens", "16", "--workers", "2", "--work-dir", str(tmp_path / "work"),
            "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -247,6 +268,9 @@ def test_openevolve_two_iterations_against_vpo_serve(tmp_path, tiny_model_dir):
     assert base["label"] == "base" and base["requests"] >= 2  # one LLM call per iteration, through the server
     run = base["runs"]["HumanEval/1"]
     assert run["iterations"] == run["traced_iterations"] == 2  # OpenEvolve's trace: two children evaluated
+    assert results["settings"]["workers"] == 2  # two OpenEvolve worker processes, both calling the server
+    assert "--ignore-seed" in results["settings"]["serve_args"]  # so that their per-iteration seeds can batch
+    assert 1 <= base["generate_calls"] <= base["requests"]
     assert run["num_tests"] >= 1 and 0 <= run["tests_passed"] <= run["num_tests"]
     assert [m.get("skipped") for m in results["models"][1:]] == ["no adapter given"] * 2
     text = out.read_text()

@@ -10,7 +10,7 @@ Endpoints: ``POST /v1/chat/completions`` (``messages``, ``n``, ``temperature``, 
 ``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's chat template
 (:func:`vpo_lightning.models.prompt_token_ids`), exactly as in training. No streaming. A request with a ``seed``
 is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
-the batch is the same).
+the batch is the same); ``--ignore-seed`` drops seeds so that they batch with everything.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
 the adapter is served under ``--adapter-name`` (default ``vpo``) and the base name runs the same weights with the
@@ -93,6 +93,9 @@ class ServeSettings:
         batch_wait_s: how long the worker waits for more requests before a ``generate`` call.
         request_timeout_s: a request still waiting after this long gets 504.
         api_key: when set, requests need ``Authorization: Bearer <api_key>``.
+        ignore_seed: drop each request's ``seed``, so that seeded requests share ``generate`` calls with the
+            others. Without it, a request is batched only with requests of the same seed; clients that send a new
+            seed per request (OpenEvolve sends one per iteration) then get no batching at all.
     """
 
     max_concurrency: int = 8
@@ -104,6 +107,7 @@ class ServeSettings:
     batch_wait_s: float = 0.01
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    ignore_seed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_tokens_limit", "max_request_bytes", "max_n", "default_max_tokens"):
@@ -550,7 +554,9 @@ class OpenAIServer(ThreadingHTTPServer):
         if not isinstance(ignore_eos, bool):
             raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
         stops = parse_stop(body.get("stop"))
-        seed = _integer(body, "seed", None)
+        seed = _integer(body, "seed", None)  # validated even when ignored
+        if self.settings.ignore_seed:
+            seed = None
         with self.generator.tokenizer_lock:
             try:
                 prompt = prompt_token_ids(self.generator.tokenizer, messages)
@@ -814,6 +820,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a waiting request gets 504")
     p.add_argument("--api-key", default=os.environ.get("VPO_SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $VPO_SERVE_API_KEY; none = no auth)")
+    p.add_argument("--ignore-seed", action="store_true",
+                   help="drop requests' seed so they batch with all others (throughput over reproducibility; "
+                        "for clients such as OpenEvolve that send a new seed with every request)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (0 = torch's default; 1 is much faster on a busy shared CPU)")
@@ -841,7 +850,7 @@ def main(argv: list[str]) -> int:
             max_concurrency=args.max_concurrency, max_tokens_limit=args.max_tokens_limit,
             max_request_bytes=args.max_request_bytes, max_n=args.max_n, max_batch_size=args.max_batch_size,
             default_max_tokens=default_tokens, batch_wait_s=args.batch_wait_ms / 1000,
-            request_timeout_s=args.request_timeout, api_key=args.api_key,
+            request_timeout_s=args.request_timeout, api_key=args.api_key, ignore_seed=args.ignore_seed,
         )
         trained = bool(args.adapter or args.ckpt)
         adapter_name = args.adapter_name if trained and hasattr(model, "disable_adapter") else None

@@ -137,10 +137,13 @@ class TransformersEngine(Engine):
         """Run the prompts (all but the last token) once and copy the KV cache to the G chains of each group:
         a group shares its prompt, so the prompt's prefill is not repeated G times."""
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)  # [b, P] as generate() derives them
-        cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-                      use_cache=True).past_key_values
+        out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
+                    use_cache=True)
+        # transformers >= 5.2x names the KV cache `cache` (`past_key_values` still works, with a warning)
+        name = "cache" if "cache" in getattr(out, "__dataclass_fields__", {}) else "past_key_values"
+        cache = getattr(out, name)
         cache.batch_repeat_interleave(group_size)  # [b * G, ...] group-contiguous, like the rows below
-        return cache
+        return name, cache
 
     @torch.inference_mode()
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
@@ -155,7 +158,8 @@ class TransformersEngine(Engine):
                 ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                 extra = {}
                 if self.share_prompt_prefix and ids.shape[1] > 1 and group_size > 1:
-                    extra["past_key_values"] = self._prefill_once(model, ids, mask, group_size)
+                    name, cache = self._prefill_once(model, ids, mask, group_size)
+                    extra[name] = cache  # generate() takes the cache under the name the model output used
                 if seed is not None:
                     torch.manual_seed(seed)
                 ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [b*G, P]

@@ -177,3 +177,21 @@ def test_reward_vector_scores_chains_in_parallel(problems: dict[str, dict]) -> N
     assert scores.rewards[0, 0].tolist() == [1.0] * 16 and scores.rewards[1].sum() == 0
     assert scores.rewards[0, 1].tolist() == fill_dims([True, False, True])
     assert scores.mask.tolist() == [[True, True], [False, True]]
+
+
+def test_compiling_model_code_prints_no_syntax_warnings():
+    """A candidate with `x is not 1` compiles (it is valid Python) without the compiler's SyntaxWarning reaching
+    stderr, where it would otherwise be printed into training and search logs; other code still warns."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import vpo_lightning.tasks.code as c\n"
+        "src = 'x = 1\\nif x is not 1:\\n    pass\\n'\n"
+        "assert c._compiles(src)\n"
+        "compile(src, '<other>', 'exec')\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "<candidate>" not in done.stderr
+    assert "<other>:2: SyntaxWarning" in done.stderr  # the filter is scoped to candidates

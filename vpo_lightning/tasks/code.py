@@ -42,6 +42,7 @@ import random
 import textwrap
 import time
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -57,6 +58,11 @@ SYSTEM_PROMPT = (
     "self-contained Python 3 using only the standard library."
 )
 _PYTHON_TAGS = frozenset({"", "python", "python3", "py"})
+# Compiling model-written programs (``_compiles``) must not print the compiler's SyntaxWarnings (`"is not" with a
+# literal`, invalid escapes) into training and search logs. Warnings name the module after the filename, so this
+# filter matches only code compiled as "<candidate>"; a filter set once here is also thread-safe, unlike
+# warnings.catch_warnings around each compile.
+warnings.filterwarnings("ignore", category=SyntaxWarning, module="<candidate>")
 
 
 # ------------------------------------------------------------------------------------------------- data

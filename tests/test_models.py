@@ -130,3 +130,21 @@ def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("VPO_CACHE_DIR", str(tmp_path))
     assert models.cache_dir() == tmp_path
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_activation_checkpointing_is_on_without_the_deprecated_call(lora):
+    """gradient_checkpointing=true turns recomputation on (LoRA and full fine-tuning) through transformers' current
+    name for it: the renamed `gradient_checkpointing_enable` must not warn."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy, _ = load_policy(ModelSettings(name="tiny-llama", dtype="fp32", gradient_checkpointing=True,
+                                              lora=LoraSettings(r=4, enabled=lora)))
+    assert not [w for w in caught if "gradient_checkpointing_enable" in str(w.message)]
+    base = policy.get_base_model() if lora else policy
+    flag = getattr(base, "is_activation_checkpointing", None)
+    if flag is None:  # transformers before the rename
+        flag = base.is_gradient_checkpointing
+    assert flag is True

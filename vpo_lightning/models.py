@@ -274,6 +274,16 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     return model
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant). transformers renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns); use the new name where it exists."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
     """Wrap ``model`` in place with a trainable LoRA adapter (base weights frozen)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -281,7 +291,7 @@ def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         model.enable_input_require_grads()
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
@@ -304,7 +314,7 @@ def load_policy(
         return wrap_lora(base, settings.lora, settings.gradient_checkpointing), None
     reference = load_base_model(settings, device).eval().requires_grad_(False)
     if settings.gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(base)
     return base, reference
 
 

@@ -296,7 +296,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines.append(f"| {p['id']} | {sel_text} | " + " | ".join(cells) + " |")
     solved = [str(sum(bool(r.get("solved")) for r in m["runs"].values())) + f"/{len(problems)}" for m in ran]
     lines.append("| **solved** | | " + " | ".join(f"**{x}**" for x in solved) + " |")
-    lines += ["", "| model | weights | LLM requests | generate calls | generated tokens | tokens/s | "
+    lines += ["", "| model | weights | LLM requests | generate calls | generated tokens | tokens per wall s | "
               "OpenEvolve wall time |", "|---|---|---|---|---|---|---|"]
     for m in ran:
         calls = m.get("generate_calls", "-")  # absent in results written before this column existed

@@ -325,6 +325,22 @@ def test_close_ends_keep_alive_connections(server):
     conn.close()
 
 
+def test_decode_json_limits():
+    from vpo_lightning.serve import APIError, decode_json
+    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}') == 3  # brackets inside strings do not count
+    assert json_depth("[]") == 1 and json_depth('"x"') == 0
+    assert decode_json(b'{"seed": -12, "t": 0.5, "s": "NaN"}') == {"seed": -12, "t": 0.5, "s": "NaN"}
+    assert decode_json(("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH).encode())  # the limit itself is accepted
+    for raw, code in [(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "nesting_too_deep"),
+                      (b"[" + b"1" * 33 + b"]", "number_too_large"), (b"[-Infinity]", "invalid_number"),
+                      (b"[-1e400]", "invalid_number")]:
+        with pytest.raises(APIError) as err:
+            decode_json(raw)
+        assert (err.value.status, err.value.code) == (400, code)
+
+
 def test_parse_messages_and_settings():
     parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert parse_messages(parts) == [{"role": "system", "content": "ab"}]

@@ -33,8 +33,17 @@ def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
+# What a normal run must not print: Lightning lines with nothing to act on (issue: a user's first hour).
+NOISE = ("Tip:", "litlogger", "TPU available", "GPU available: False", "was configured so",
+         "exists and is not empty", "LeafSpec", "Warning", "warn(")
+
+
+def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
     run = _fit(tmp_path, monkeypatch)
+    printed = "".join(capfd.readouterr())
+    assert "reward: " in printed and "parsed: " in printed and "tok/s: " in printed  # the bar, not cut at 80
+    assert not [n for n in NOISE if n in printed], [line for line in printed.splitlines() if any(n in line
+                                                                                                for n in NOISE)]
     assert (run / "config.yaml").is_file() and (run / "last.ckpt").is_file()
     scalars = _scalars(run)
     for tag in ("train/reward/format", "train/reward/arg_value", "train/reward/set", "train/kl", "train/clip_frac",

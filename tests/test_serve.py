@@ -341,6 +341,39 @@ def test_decode_json_limits():
         assert (err.value.status, err.value.code) == (400, code)
 
 
+def test_any_json_in_any_field_is_a_4xx_or_valid():
+    """Hypothesis: arbitrary JSON values in every field the server reads give a valid request or an APIError with a
+    4xx status, never another exception (which the server would answer with 500)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from vpo_lightning.serve import APIError, parse_chat_request
+
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(
+        max_size=5)
+    value = st.recursive(leaf, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids,
+                                                                                          max_size=3), max_leaves=8)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | value,
+                                     "content": st.text(max_size=5) | value})
+    fields = ["model", "stream", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "ignore_eos", "stop", "seed"]
+    body = st.fixed_dictionaries({"messages": st.lists(message, max_size=2) | value},
+                                 optional={name: value for name in fields})
+    models = {"base": False, "vpo": True}
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(body | value)
+    def check(raw):
+        try:
+            request = parse_chat_request(raw, ServeSettings(max_n=4, max_batch_size=16), models, "vpo")
+        except APIError as err:
+            assert 400 <= err.status < 500
+        else:
+            assert request.model in models and 1 <= request.n <= 4 and request.messages
+
+    check()
+
+
 def test_parse_messages_and_settings():
     parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert parse_messages(parts) == [{"role": "system", "content": "ab"}]

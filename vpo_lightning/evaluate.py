@@ -244,43 +244,59 @@ class PromptPool:
     errors: int  # reward calls that failed (scored 0); counted per engine call, on its first prompt
 
 
-def build_rollout(cfg: dict[str, Any], estimator: str | None, engine: Any) -> Any:
-    """A ``RolloutCallback`` configured like training, used for its prompts, candidate parser and reward vector."""
-    from vpo_lightning.engines import SamplingSettings
-    from vpo_lightning.rollout import RolloutCallback
+@dataclass
+class Sampler:
+    """What sampling outside training needs: the chain protocol, an engine and its sampling settings."""
+
+    protocol: Any  # vpo_lightning.protocol.ChainProtocol
+    engine: Any  # vpo_lightning.engines.Engine
+    sampling: Any  # vpo_lightning.engines.SamplingSettings
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], estimator: str | None = None) -> Sampler:
+        return cls(build_protocol(cfg, estimator), *build_engine(cfg))
+
+
+def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
+    """The run's :class:`vpo_lightning.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
+    configured like training from the config's ``rollout:`` section."""
+    from vpo_lightning.protocol import ChainProtocol
 
     ro = cfg["rollout"]
-    sampling = SamplingSettings(**_known(SamplingSettings, ro.get("sampling") or {}))
-    return RolloutCallback(
+    return ChainProtocol(
         rewards=list(ro["rewards"]), estimator=estimator or ro.get("estimator", "vpo"),
-        num_candidates=int(ro.get("num_candidates", 3)), group_size=2, num_weights=int(ro.get("num_weights", 100)),
-        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), sampling=sampling,
-        engine=engine, seed=0, log_samples_every=0, reward_workers=ro.get("reward_workers"),
+        num_candidates=int(ro.get("num_candidates", 3)), num_weights=int(ro.get("num_weights", 100)),
+        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), seed=0,
+        reward_workers=ro.get("reward_workers"),
     )
 
 
-def prompt_rows(rollout: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
+def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and its sampling settings."""
+    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+
+    ro = cfg["rollout"]
+    init = (ro.get("engine") or {}).get("init_args") or {}
+    sampling = SamplingSettings(**_known(SamplingSettings, ro.get("sampling") or {}))
+    return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
+
+
+def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
     """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
-    from vpo_lightning.advantages import sample_weights
     from vpo_lightning.models import prompt_token_ids
-    from vpo_lightning.rollout import derive_seed
 
-    if rollout.estimator != "goal_conditioned_grpo":
-        return [prompt_token_ids(tokenizer, rollout._prompt(record, None))] * chains
-    gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
-    weights = sample_weights(chains, rollout.reward_vector.dim, rollout.alpha, generator=gen)  # [C, D]
-    return [prompt_token_ids(tokenizer, rollout._prompt(record, w[None])) for w in weights]
+    return [prompt_token_ids(tokenizer, messages) for messages in protocol.chain_messages(record, chains, seed)]
 
 
-def sample_batch(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
+def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
     """One engine call for all chains of ``records``; split the scored result back per prompt."""
-    from vpo_lightning.rollout import derive_seed
+    from vpo_lightning.protocol import derive_seed
 
-    rows = [r for rec in records for r in prompt_rows(rollout, ns.tokenizer, rec, chains, seed)]
+    rows = [r for rec in records for r in prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed)]
     torch.manual_seed(derive_seed(seed, "eval", call))
-    gen = rollout.engine.generate(ns, rows, 1, rollout.sampling)
-    cands = [rollout.candidates(t) for t in gen.texts]
-    scores = rollout.reward_vector.score(cands, [rec for rec in records for _ in range(chains)])
+    gen = run.engine.generate(ns, rows, 1, run.sampling)
+    cands = [run.protocol.candidates(t) for t in gen.texts]
+    scores = run.protocol.score(cands, [rec for rec in records for _ in range(chains)])
     pools = []
     for i, rec in enumerate(records):
         sl = slice(i * chains, (i + 1) * chains)
@@ -290,7 +306,7 @@ def sample_batch(ns: Any, rollout: Any, records: list[dict], chains: int, seed: 
     return pools
 
 
-def sample_pools(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, per_call: int) -> list[PromptPool]:
+def sample_pools(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, per_call: int) -> list[PromptPool]:
     """Sample every prompt's pool, ``per_call`` prompts per engine call, with a rich progress bar and ETA."""
     from rich import progress as rp
 
@@ -301,7 +317,7 @@ def sample_pools(ns: Any, rollout: Any, records: list[dict], chains: int, seed: 
         task = progress.add_task("eval", total=len(records))
         for call, start in enumerate(range(0, len(records), per_call)):
             batch = records[start : start + per_call]
-            pools += sample_batch(ns, rollout, batch, chains, seed, call)
+            pools += sample_batch(ns, run, batch, chains, seed, call)
             progress.advance(task, len(batch))
     return pools
 
@@ -314,7 +330,7 @@ def _floats(t: Tensor) -> list[float]:
 def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
     """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k)."""
     from vpo_lightning import metrics
-    from vpo_lightning.rollout import derive_seed
+    from vpo_lightning.protocol import derive_seed
 
     C, m, D = pool.rewards.shape
     values, present = pool.rewards.reshape(1, C * m, D), pool.mask.reshape(1, C * m)  # [1, n, D], [1, n]
@@ -485,21 +501,22 @@ def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) 
     return data_file, limit, select_prompts(read_jsonl(data_file), tokenizer, args.max_prompts, limit, args.prompt_seed)
 
 
-def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], rollout: Any,
+def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], sampler: Sampler,
                  pools: list[PromptPool]) -> dict[str, Any]:
     """The eval.json content: settings and provenance, per-prompt and aggregate metrics."""
     settings, info = run["settings"], run["info"]
     per_prompt = [prompt_metrics(p, args.seed, args.orders) for p in pools]
-    dims = rollout.reward_vector.dim_names
+    proto = sampler.protocol
+    dims = proto.dim_names
     return {
         "format": FORMAT, "label": default_label(cfg, args, settings.name),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": str(run["config"]), "overrides": args.overrides, "run_name": cfg.get("run_name"),
         "model": settings.name, "model_settings": asdict(settings), **info,
         "training": training_tokens(args.ckpt or args.adapter, info["global_step"]),
-        "estimator": rollout.estimator, "m": rollout.m, "n": args.n, "chains_per_prompt": args.n // rollout.m,
-        "tag_family": rollout.tag_family, "sampling": asdict(rollout.sampling), "dim_names": dims,
-        "rewards": rollout.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
+        "estimator": proto.estimator, "m": proto.m, "n": args.n, "chains_per_prompt": args.n // proto.m,
+        "tag_family": proto.tag_family, "sampling": asdict(sampler.sampling), "dim_names": dims,
+        "rewards": proto.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
         "data_file": run["data_file"], "max_prompt_tokens": run["limit"], "prompts_per_call": args.prompts_per_call,
         "best_at_k_orders": args.orders, "num_prompts": len(pools), "device": run["device"],
         "aggregate": aggregate_metrics(pools, per_prompt, dims, args.seed), "prompts": per_prompt,
@@ -508,24 +525,22 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
 
 def run(args: argparse.Namespace) -> Path:
     """Evaluate as ``args`` says; returns the output directory."""
-    from vpo_lightning.engines import TransformersEngine
     from vpo_lightning.models import load_tokenizer
 
     t0 = time.perf_counter()
     config = find_config(args)
     cfg = load_config(config, args.overrides)
-    init = (cfg["rollout"].get("engine") or {}).get("init_args") or {}
-    rollout = build_rollout(cfg, args.estimator, TransformersEngine(int(init.get("max_batch_size") or 0)))
-    _check_args(args, rollout.m)
+    sampler = Sampler.from_config(cfg, args.estimator)
+    _check_args(args, sampler.protocol.m)
     device = pick_device(args.device)
     model, settings, info = load_model(cfg, args, device)
     tokenizer = load_tokenizer(settings.name)
     data_file, limit, records = load_prompts(cfg, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
-    pools = sample_pools(ns, rollout, records, args.n // rollout.m, args.seed, args.prompts_per_call)
+    pools = sample_pools(ns, sampler, records, args.n // sampler.protocol.m, args.seed, args.prompts_per_call)
     context = {"config": config, "settings": settings, "info": info, "data_file": data_file, "limit": limit,
                "device": str(device)}
-    report = build_report(args, cfg, context, rollout, pools)
+    report = build_report(args, cfg, context, sampler, pools)
     report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)
     out = Path(args.out) if args.out else default_out_dir(args, config)
     write_outputs(out, report, pools)

@@ -14,12 +14,11 @@ completion with its reward vectors) and PNG plots (best@k, pass@k, diversity).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vpo_lightning.runs import add_run_args, find_config, known, load_config, load_model, pick_device
 from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``vpo eval`` argument parser."""
     p = argparse.ArgumentParser(prog="vpo eval", description="Sample n solutions per test prompt and compute "
                                 "best@k, pass@k, diversity, E_w best and the Pareto fraction (VPO-SPEC section 6).")
-    p.add_argument("--config", help="the YAML used by `vpo fit` (default: config.yaml beside --ckpt/--adapter)")
-    weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--ckpt", help="a Lightning .ckpt written by `vpo fit` (adapter weights under policy.*)")
-    weights.add_argument("--adapter", help="a PEFT adapter directory (checkpoints/<run>/adapters/<name>)")
+    add_run_args(p)
     p.add_argument("--split", choices=("test", "val"), default="test",
                    help="which split of the config's data (default: test)")
     p.add_argument("--data_file", help="JSONL prompts to evaluate on (overrides --split)")
@@ -65,39 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts batched into one generate call (default: 4)")
     p.add_argument("--orders", type=int, default=100, help="random pool orders averaged in best@k (default: 100)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, repeatable (e.g. rollout.sampling.max_new_tokens=64)")
     return p
-
-
-def find_config(args: argparse.Namespace) -> Path:
-    """``--config``, else the ``config.yaml`` that `vpo fit` saved beside the checkpoint or adapter."""
-    if args.config:
-        return Path(args.config)
-    weights = args.ckpt or args.adapter
-    if weights:
-        for folder in (Path(weights).parent, Path(weights).parent.parent):
-            if (folder / "config.yaml").is_file():
-                return folder / "config.yaml"
-    raise ValueError("give --config (the YAML used by `vpo fit`); no config.yaml found beside the weights")
-
-
-def load_config(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """Read a `vpo fit` YAML with OmegaConf and apply ``key=value`` overrides; returns a plain dict."""
-    from omegaconf import OmegaConf
-
-    if not path.is_file():
-        raise FileNotFoundError(f"config {str(path)!r} does not exist")
-    cfg = OmegaConf.load(path)
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ValueError(f"--set expects KEY=VALUE, got {bad[0]!r}")
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    out = OmegaConf.to_container(cfg, resolve=True)
-    if not isinstance(out, dict) or "rollout" not in out:
-        raise ValueError(f"config {str(path)!r} has no rollout: section (is it a `vpo fit` config?)")
-    return out
 
 
 def default_data_file(cfg: dict[str, Any], split: str) -> str:
@@ -141,94 +106,6 @@ def select_prompts(records: list[dict], tokenizer: Any, max_prompts: int, max_to
     if not picked:
         raise ValueError(f"no prompt has at most {max_tokens} tokens: raise --max_prompt_tokens (0 = keep all)")
     return picked
-
-
-# ---- model ----------------------------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _adapter_weights_file(adapter: Path) -> Path:
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if (adapter / name).is_file():
-            return adapter / name
-    raise FileNotFoundError(f"--adapter {str(adapter)!r}: no adapter_model.safetensors in it (not a PEFT adapter)")
-
-
-def load_ckpt_policy(settings: Any, ckpt: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    """Rebuild the policy from settings and load the checkpoint's trainable weights (``policy.*`` keys)."""
-    from vpo_lightning.models import load_base_model, wrap_lora
-
-    model = load_base_model(settings, device)
-    if settings.lora.enabled:
-        model = wrap_lora(model, settings.lora)
-    state = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
-    if not state:
-        raise ValueError("the checkpoint holds no policy.* weights (not written by `vpo fit`?)")
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # shape mismatch: another rank or model
-        raise ValueError(f"checkpoint weights do not fit the model built from the config: {err}") from None
-    if result.unexpected_keys:
-        raise ValueError(f"checkpoint weights do not fit the model built from the config (e.g. "
-                         f"{result.unexpected_keys[0]!r}): check model.model.name and model.model.lora")
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(trainable - set(state))
-    if settings.lora.enabled and missing:
-        raise ValueError(f"checkpoint lacks adapter weights such as {missing[0]!r}: check model.model.lora")
-    return model
-
-
-def load_model(cfg: dict[str, Any], args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, dict]:
-    """Load the policy to evaluate: the base model, base + PEFT adapter, or base + LoRA weights from a .ckpt.
-
-    Returns:
-        ``(model, settings, info)``; ``info`` names the weights and their sha256 for eval.json.
-    """
-    from vpo_lightning.models import ModelSettings, load_base_model
-
-    raw = dict((cfg.get("model") or {}).get("model") or {})
-    info: dict[str, Any] = {"ckpt": args.ckpt, "adapter": args.adapter, "weights_sha256": None, "global_step": None}
-    if args.ckpt:
-        path = Path(args.ckpt)
-        if not path.is_file():
-            raise FileNotFoundError(f"--ckpt {str(path)!r} does not exist")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        saved = (ckpt.get("hyper_parameters") or {}).get("model")
-        if isinstance(saved, dict):  # the trained architecture wins; precision and attention follow the config
-            if raw.get("name") and saved.get("name") != raw.get("name"):
-                log.warning("--ckpt was trained on %s, not the config's %s: using %s", saved.get("name"),
-                            raw.get("name"), saved.get("name"))
-            raw.update({k: saved[k] for k in ("name", "lora") if k in saved})
-        settings = ModelSettings(**_known(ModelSettings, raw))
-        model = load_ckpt_policy(settings, ckpt, device)
-        info.update(weights_sha256=sha256_file(path), global_step=ckpt.get("global_step"))
-        return model, settings, info
-    settings = ModelSettings(**_known(ModelSettings, raw))
-    model = load_base_model(settings, device)
-    if args.adapter:
-        from peft import PeftModel
-
-        info["weights_sha256"] = sha256_file(_adapter_weights_file(Path(args.adapter)))
-        model = PeftModel.from_pretrained(model, args.adapter)
-    return model, settings, info
-
-
-def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` = cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------
@@ -277,7 +154,7 @@ def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
 
     ro = cfg["rollout"]
     init = (ro.get("engine") or {}).get("init_args") or {}
-    sampling = SamplingSettings(**_known(SamplingSettings, ro.get("sampling") or {}))
+    sampling = SamplingSettings(**known(SamplingSettings, ro.get("sampling") or {}))
     return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
 
 
@@ -528,12 +405,12 @@ def run(args: argparse.Namespace) -> Path:
     from vpo_lightning.models import load_tokenizer
 
     t0 = time.perf_counter()
-    config = find_config(args)
-    cfg = load_config(config, args.overrides)
+    config = find_config(args.config, args.ckpt, args.adapter)
+    cfg = load_config(config, args.overrides, require=("rollout",))
     sampler = Sampler.from_config(cfg, args.estimator)
     _check_args(args, sampler.protocol.m)
     device = pick_device(args.device)
-    model, settings, info = load_model(cfg, args, device)
+    model, settings, info = load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
     data_file, limit, records = load_prompts(cfg, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.runs import add_run_args
 from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``vpo search`` argument parser."""
     p = argparse.ArgumentParser(prog="vpo search", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="the YAML used by `vpo fit` (default: config.yaml beside --adapter/--ckpt)")
-    weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--adapter", help="a PEFT adapter directory (checkpoints/<run>/adapters/<name>)")
-    weights.add_argument("--ckpt", help="a Lightning .ckpt written by `vpo fit`")
+    add_run_args(p)
     p.add_argument("--budget", type=int, default=16, help="candidate solutions per problem (chains: m per chain)")
     p.add_argument("--mode", choices=MODES, default="best_of_k", help="best_of_k, or rejection (stop at first solve)")
     p.add_argument("--split", choices=("test", "val", "train"), default="test", help="which split of the config's data")
@@ -69,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", help="name of this run (default: from the run name and weights)")
     p.add_argument("--out", help="output directory (default: beside the weights, else checkpoints/search-<config>)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, repeatable (e.g. rollout.sampling.max_new_tokens=384)")
     return p
 
 
@@ -227,18 +223,18 @@ def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     """Search as ``args`` says; returns the output directory (holding search.json)."""
-    from vpo_lightning import evaluate
+    from vpo_lightning import evaluate, runs
     from vpo_lightning.models import load_tokenizer
 
     if args.budget < 1 or args.prompts_per_call < 1 or args.chains_per_round < 1 or args.max_prompts < 0:
         raise ValueError("--budget, --prompts_per_call and --chains_per_round must be >= 1 (--max_prompts >= 0)")
     t0 = time.perf_counter()
-    config = evaluate.find_config(args)
-    cfg = evaluate.load_config(config, args.overrides)
+    config = runs.find_config(args.config, args.ckpt, args.adapter)
+    cfg = runs.load_config(config, args.overrides, require=("rollout",))
     sampler = evaluate.Sampler.from_config(cfg, args.estimator)
     protocol = sampler.protocol
-    device = evaluate.pick_device(args.device)
-    model, settings, info = evaluate.load_model(cfg, args, device)
+    device = runs.pick_device(args.device)
+    model, settings, info = runs.load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
     data_file, records = load_records(cfg, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)

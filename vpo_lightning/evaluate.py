@@ -311,8 +311,9 @@ def _floats(t: Tensor) -> list[float]:
     return [round(float(v), 6) for v in t]
 
 
-def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
-    """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k)."""
+def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[float] | None = None) -> dict[str, Any]:
+    """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k, whose
+    scalar f is the mean over dimensions, or the weighted mean with the task's ``f_weights``)."""
     from vpo_lightning import metrics
     from vpo_lightning.rollout import derive_seed
 
@@ -324,7 +325,7 @@ def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
     chain_pairs = m > 1 and bool((pool.mask.sum(-1) >= 2).any())
     return {
         "id": pool.record.get("id"), "category": (pool.record.get("meta") or {}).get("category"),
-        "best_at_k": _floats(metrics.best_at_k_curve(values, seed=key, num_seeds=orders)),
+        "best_at_k": _floats(metrics.best_at_k_curve(values, seed=key, num_seeds=orders, f_weights=f_weights)),
         "pass_at_k": _floats(metrics.pass_at_k_curve(solved.reshape(1, -1))),
         "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved[None])),
         "num_solved": int(solved.sum()), "num_present": int(present.sum()),
@@ -489,7 +490,8 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
                  pools: list[PromptPool]) -> dict[str, Any]:
     """The eval.json content: settings and provenance, per-prompt and aggregate metrics."""
     settings, info = run["settings"], run["info"]
-    per_prompt = [prompt_metrics(p, args.seed, args.orders) for p in pools]
+    f_weights = rollout.reward_vector.f_weights
+    per_prompt = [prompt_metrics(p, args.seed, args.orders, f_weights) for p in pools]
     dims = rollout.reward_vector.dim_names
     return {
         "format": FORMAT, "label": default_label(cfg, args, settings.name),
@@ -499,6 +501,7 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
         "training": training_tokens(args.ckpt or args.adapter, info["global_step"]),
         "estimator": rollout.estimator, "m": rollout.m, "n": args.n, "chains_per_prompt": args.n // rollout.m,
         "tag_family": rollout.tag_family, "sampling": asdict(rollout.sampling), "dim_names": dims,
+        "f_weights": f_weights,
         "rewards": rollout.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
         "data_file": run["data_file"], "max_prompt_tokens": run["limit"], "prompts_per_call": args.prompts_per_call,
         "best_at_k_orders": args.orders, "num_prompts": len(pools), "device": run["device"],

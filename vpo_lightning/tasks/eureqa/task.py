@@ -10,7 +10,7 @@ Answer format (one answer): ``<entity_A>name</entity_A>`` ... ``<entity_E>name</
 
 Reward ``[entity_A, ..., entity_E]``: 1 where the first closed ``<entity_X>`` block, normalised, equals the gold
 name, normalised; else 0 (missing, unclosed or empty tags score 0). Normalisation (:func:`normalize_entity`):
-underscores become spaces, Unicode NFKC, lower case, punctuation and the articles a/an/the removed, whitespace
+Unicode NFKC, underscores become spaces, lower case, punctuation and the articles a/an/the removed, whitespace
 collapsed, so ``Robert_Rodriguez``, ``robert rodriguez`` and ``Robert Rodriguez.`` all match. f = the mean.
 """
 
@@ -100,7 +100,7 @@ def parse_entities(text: str) -> list[str | None]:
 
 def normalize_entity(name: str) -> str:
     """Wikipedia-style entity name normalisation (see the module docstring)."""
-    text = unicodedata.normalize("NFKC", name.replace("_", " ")).lower()
+    text = unicodedata.normalize("NFKC", name).replace("_", " ").lower()
     text = "".join(ch for ch in text if ch not in _PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
 

@@ -158,3 +158,45 @@ def test_scalar_f_weights_best_at_k():
     assert float(metrics.best_at_k_curve(pool, seed=0)[-1]) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="f_weights"):
         metrics.best_at_k_curve(pool, f_weights=[1.0, 2.0])
+
+
+def test_vpo_eval_uses_the_weighted_f(tmp_path, monkeypatch, tiny_model_dir):
+    """`vpo eval` on built records with a scripted engine: best@k follows f = (hops + 3 F1) / 7, not the mean."""
+    import yaml
+
+    from vpo_lightning.cli import main as vpo
+    from vpo_lightning.engines import Generation, TransformersEngine
+
+    assert build.main(["--source", str(FIXTURES), "--out", str(tmp_path / "data"), "--per_hop", "1",
+                       "--val_per_hop", "0"]) == 0
+    records = read_jsonl(tmp_path / "data" / "test.jsonl")  # one 2-, 3- and 4-hop question
+
+    def scripted(self, module, prompt_ids, group_size, sampling):
+        texts = []
+        for row in prompt_ids:
+            prompt = module.tokenizer.decode(row)
+            gt = next(r for r in records if r["messages"][-1]["content"] in prompt)["ground_truth"]
+            all_hops = ", ".join(map(str, gt["support"]))
+            texts.append(f"<response_1><support>{all_hops}</support><answer>nobody</answer></response_1>"
+                         f"<response_2><answer>{gt['answer']}</answer></response_2>")
+        ids = [module.tokenizer(t)["input_ids"] for t in texts]
+        return Generation(ids, texts, sum(map(len, ids)))
+
+    monkeypatch.setattr(TransformersEngine, "generate", scripted)
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "musique.yaml").read_text())
+    cfg["model"]["model"] = {"name": "tiny-llama", "dtype": "fp32", "lora": {"r": 4, "alpha": 8}}
+    cfg["rollout"].pop("engine")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    vpo(["eval", "--config", str(tmp_path / "c.yaml"), "--data_file", str(tmp_path / "data" / "test.jsonl"),
+         "--n", "6", "--max_prompts", "3", "--max_prompt_tokens", "0", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    agg = report["aggregate"]
+    # answer 1: every hop, wrong answer = [1, 1, 1, 1, 0], f 4/7 (mean 0.8); answer 2: right answer, no citations:
+    # 2 hops [0, 0, 1, 1, 1] f 5/7, 3 hops [0, 0, 0, 1, 1] f 4/7, 4 hops [0, 0, 0, 0, 1] f 3/7.
+    by_hops = {r["meta"]["num_hops"]: r["id"] for r in records}
+    best = {p["id"]: p["best_at_k"][-1] for p in report["prompts"]}
+    assert best[by_hops[2]] == pytest.approx(5 / 7, abs=1e-6)
+    assert best[by_hops[3]] == pytest.approx(4 / 7, abs=1e-6) and best[by_hops[4]] == pytest.approx(4 / 7, abs=1e-6)
+    assert agg["best_at_k"][-1] == pytest.approx(13 / 21, abs=1e-6)
+    assert report["f_weights"] == [1.0, 1.0, 1.0, 1.0, 3.0]
+    assert agg["mean_reward"]["answer_f1"] == pytest.approx(2 / 6)  # 2 answers of 6 solutions are right

@@ -77,14 +77,14 @@ def best_at_k_curve(pool: Pool, *, seed: int = 0, num_seeds: int = 1,
     n_min = int(present.sum(dim=1).min())
     if n_min < 1:
         raise ValueError("pool must hold at least one solution for every prompt")
-    if f_weights is None:
-        f = values.mean(dim=-1)  # [P, n]
-    else:
+    f = values.mean(dim=-1)  # [P, n]
+    if f_weights is not None:
         w = torch.as_tensor(f_weights, dtype=values.dtype, device=values.device)  # [D]
         if w.shape != values.shape[-1:] or bool((w < 0).any()) or not float(w.sum()) > 0:
             raise ValueError(f"f_weights must be {values.shape[-1]} non-negative weights with a positive sum, "
                              f"got {list(f_weights)}")
-        f = values @ (w / w.sum())  # [P, n]
+        if bool((w != w[0]).any()):  # equal weights: the plain mean above, bit for bit
+            f = values @ (w / w.sum())  # [P, n]
     generator = torch.Generator().manual_seed(seed)
     keys = torch.rand((num_seeds, *f.shape), generator=generator, dtype=torch.float64).to(f.device)  # [S, P, n]
     keys = torch.where(present, keys, torch.full_like(keys, 2.0))  # padding sorts after every real sample

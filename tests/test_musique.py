@@ -200,3 +200,33 @@ def test_vpo_eval_uses_the_weighted_f(tmp_path, monkeypatch, tiny_model_dir):
     assert agg["best_at_k"][-1] == pytest.approx(13 / 21, abs=1e-6)
     assert report["f_weights"] == [1.0, 1.0, 1.0, 1.0, 3.0]
     assert agg["mean_reward"]["answer_f1"] == pytest.approx(2 / 6)  # 2 answers of 6 solutions are right
+
+
+def test_grpo_trains_on_the_weighted_f():
+    """GRPO's scalar is the task's f: all hops + a wrong answer (f 4/7, mean 0.8) ranks below the right answer
+    without citations (f 5/7, mean 0.6); VPO still sees the reward vectors."""
+    from types import SimpleNamespace
+
+    from vpo_lightning.engines import Engine, Generation
+    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.rollout import RolloutCallback
+
+    cites = "<support>4, 6</support><answer>nobody</answer>"
+    answers = "<answer>Brightwater College</answer>"
+
+    class Scripted(Engine):
+        def generate(self, module, prompt_ids, group_size, sampling, seeds=None):
+            texts = [cites, answers] * (len(prompt_ids) * group_size // 2)
+            ids = [module.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            return Generation(ids, texts, sum(map(len, ids)))
+
+    module = SimpleNamespace(tokenizer=load_tokenizer("tiny-llama"), device=torch.device("cpu"))
+    batch = {"records": [{"id": "q", "messages": [{"role": "user", "content": "Q?"}], **GT2}], "indices": [0],
+             "position": 0}
+    grpo = RolloutCallback(rewards=["musique"], estimator="grpo", group_size=4, engine=Scripted())
+    ro = grpo.rollout(module, batch, step=0)
+    assert ro.rewards[:, 0].tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]] * 2  # the logged vectors stay 5-D
+    assert ro.advantages.tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-4)
+    assert grpo._scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 1)
+    vpo_cb = RolloutCallback(rewards=["musique"], estimator="vpo", group_size=4, engine=Scripted())
+    assert vpo_cb._scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 5)

@@ -126,6 +126,8 @@ def test_bad_problem_is_a_clear_error(records):
     problem["metadata"] = "{}"
     with pytest.raises(ValueError, match="no metadata.func_name"):
         build.build_splits([problem])
+    with pytest.raises(ValueError, match="'3999': no usable contest_date"):
+        build.build_splits([{**problem, "contest_date": "last spring"}])
 
 
 # ------------------------------------------------------------------------------------------------ reward (sandbox)

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.tasks.livecodebench.task import contest_date, make_record
+from vpo_lightning.tasks.livecodebench.task import make_record, problem_date
 from vpo_lightning.tasks.public_data import DataUnavailable, from_hub, missing_data_message, read_records, write_jsonl
 
 TRAIN_BEFORE = datetime(2025, 2, 1)
@@ -66,8 +66,8 @@ def load_public(source: Path | None) -> list[dict[str, Any]]:
 
 def build_splits(problems: Sequence[dict[str, Any]], *, val: int = 0, seed: int = 0) -> dict[str, list[dict]]:
     """Date-split records (see the module docstring), in source order within a split."""
-    train = [p for p in problems if contest_date(p["contest_date"]) < TRAIN_BEFORE]
-    test = [p for p in problems if TRAIN_BEFORE <= contest_date(p["contest_date"]) < TEST_BEFORE]
+    train = [p for p in problems if problem_date(p) < TRAIN_BEFORE]
+    test = [p for p in problems if TRAIN_BEFORE <= problem_date(p) < TEST_BEFORE]
     if not 0 <= val < max(1, len(train)):
         raise ValueError(f"--val {val}: must be between 0 and {len(train) - 1} (the training problems)")
     held = set(random.Random(seed).sample(range(len(train)), val))

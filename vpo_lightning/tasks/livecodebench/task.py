@@ -114,10 +114,26 @@ def encode_private_tests(tests: Sequence[Mapping[str, Any]]) -> str:
 
 
 def contest_date(value: Any) -> datetime:
-    """``contest_date`` as a naive datetime (the hub gives datetimes, the JSONL files ISO strings)."""
+    """``contest_date`` as a naive datetime (the hub gives datetimes, the JSONL files ISO strings).
+
+    Raises:
+        ValueError: not a date.
+    """
     if isinstance(value, datetime):
         return value.replace(tzinfo=None)
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).replace(tzinfo=None)
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).replace(tzinfo=None)
+    except ValueError:
+        raise ValueError(f"contest_date {value!r} is not an ISO date") from None
+
+
+def problem_date(problem: Mapping[str, Any]) -> datetime:
+    """A public problem's contest date; a missing or malformed one is a ValueError naming the problem."""
+    try:
+        return contest_date(problem["contest_date"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"LiveCodeBench problem {problem.get('question_id', '?')!r}: no usable contest_date "
+                         f"({err})") from None
 
 
 def smallest_tests(tests: Sequence[Mapping[str, Any]], k: int = NUM_TEST_DIMS) -> list[dict[str, Any]]:
@@ -174,7 +190,7 @@ def make_record(example: Mapping[str, Any], split: str, max_tests: int = NUM_TES
     if testtype == "functional" and not name:
         raise ValueError(f"LiveCodeBench problem {qid!r}: functional tests but no metadata.func_name")
     kept = smallest_tests(tests, max_tests)
-    date = contest_date(example["contest_date"])
+    date = problem_date(example)
     return {
         "id": f"lcb-{qid}",
         "task": TASK,
@@ -330,4 +346,5 @@ def lcb_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
 
 
 __all__ = ["DIMS", "NUM_TEST_DIMS", "build_program", "contest_date", "decode_tests", "encode_private_tests",
-           "lcb_reward", "make_record", "outputs_match", "run_tests", "smallest_tests", "values_match"]
+           "lcb_reward", "make_record", "outputs_match", "problem_date", "run_tests", "smallest_tests",
+           "values_match"]

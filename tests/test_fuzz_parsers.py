@@ -186,9 +186,18 @@ def test_lcb_rewards_total_through_the_reward_vector(texts, bodies, data):
     _check_scores(["lcb_tests"], chains, [record] * len(chains))
 
 
+def _packed(raw: bytes) -> str:
+    import base64
+    import zlib
+
+    return base64.b64encode(zlib.compress(raw)).decode()
+
+
 @FAST
-@given(blob=st.text(max_size=200) | st.binary(max_size=200).map(lambda b: __import__("base64").b64encode(b).decode()))
+@given(blob=st.text(max_size=200) | st.binary(max_size=200).map(lambda b: __import__("base64").b64encode(b).decode())
+       | st.binary(max_size=200).map(_packed) | st.binary(max_size=60).map(lambda b: _packed(b"\x80\x04" + b)))
 def test_lcb_test_decoding_is_total(blob):
+    """Any text, base64 junk, or zlib-packed junk (including pickle-looking streams): a list or a ValueError."""
     from vpo_lightning.tasks.livecodebench.task import decode_tests
 
     try:

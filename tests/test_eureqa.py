@@ -10,8 +10,7 @@ import pytest
 
 from vpo_lightning.datamodule import read_jsonl
 from vpo_lightning.rewards import RewardVector
-from vpo_lightning.tasks.eureqa import build
-from vpo_lightning.tasks.eureqa.task import entity_match, eureqa_reward, make_record, normalize_entity, parse_entities
+from vpo_lightning.tasks.eureqa import build, entity_match, eureqa_reward, make_record, normalize_entity, parse_entities
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "eureqa"
 GOLD = {"ground_truth": {"entities": ["Mira_Okafor", "Paper_Lanterns_(film)", "Studio_Meridian", "Oskar_Linde",

@@ -198,7 +198,7 @@ def _packed(raw: bytes) -> str:
        | st.binary(max_size=200).map(_packed) | st.binary(max_size=60).map(lambda b: _packed(b"\x80\x04" + b)))
 def test_lcb_test_decoding_is_total(blob):
     """Any text, base64 junk, or zlib-packed junk (including pickle-looking streams): a list or a ValueError."""
-    from vpo_lightning.tasks.livecodebench.task import decode_tests
+    from vpo_lightning.tasks.livecodebench import decode_tests
 
     try:
         tests = decode_tests(blob)
@@ -210,7 +210,7 @@ def test_lcb_test_decoding_is_total(blob):
 @FAST
 @given(got=st.text(max_size=40), expected=st.text(max_size=40), value=json_value)
 def test_lcb_output_comparison_is_total(got, expected, value):
-    from vpo_lightning.tasks.livecodebench.task import outputs_match, values_match
+    from vpo_lightning.tasks.livecodebench import outputs_match, values_match
 
     assert outputs_match(got, expected) in (True, False)
     assert outputs_match(got, got)

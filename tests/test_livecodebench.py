@@ -16,8 +16,8 @@ import pytest
 
 from vpo_lightning.datamodule import read_jsonl
 from vpo_lightning.rewards import RewardVector
-from vpo_lightning.tasks.livecodebench import build
-from vpo_lightning.tasks.livecodebench.task import (
+from vpo_lightning.tasks.livecodebench import (
+    build,
     build_program,
     decode_tests,
     encode_private_tests,

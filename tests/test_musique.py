@@ -12,9 +12,9 @@ import torch
 from vpo_lightning import metrics
 from vpo_lightning.datamodule import read_jsonl
 from vpo_lightning.rewards import RewardVector
-from vpo_lightning.tasks.musique import build
-from vpo_lightning.tasks.musique.task import (
+from vpo_lightning.tasks.musique import (
     best_f1,
+    build,
     make_record,
     musique_reward,
     parse_answer,

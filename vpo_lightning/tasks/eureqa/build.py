@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from vpo_lightning.tasks.eureqa.task import make_record
+from vpo_lightning.tasks.eureqa import make_record
 from vpo_lightning.tasks.public_data import (
     DataUnavailable,
     find_file,

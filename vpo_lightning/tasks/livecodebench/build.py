@@ -8,7 +8,7 @@ hub (``version_tag=release_v6``). Offline without a local copy the builder stops
 
 Date split of VPO-SPEC section 8: train = contest date before 2025-02-01; test = 2025-02-01 up to (not including)
 2025-05-01; later problems are left out. Each record keeps the 16 smallest of its public + private tests (see
-:mod:`vpo_lightning.tasks.livecodebench.task`). ``--val N`` moves a seeded N training problems to ``val.jsonl``
+:mod:`vpo_lightning.tasks.livecodebench`). ``--val N`` moves a seeded N training problems to ``val.jsonl``
 (default 0). ``--verify`` is not offered: the public release has no reference solutions.
 """
 
@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.tasks.livecodebench.task import make_record, problem_date
+from vpo_lightning.tasks.livecodebench import make_record, problem_date
 from vpo_lightning.tasks.public_data import DataUnavailable, from_hub, missing_data_message, read_records, write_jsonl
 
 TRAIN_BEFORE = datetime(2025, 2, 1)

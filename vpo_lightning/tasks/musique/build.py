@@ -5,7 +5,7 @@ Source: the public MuSiQue v1.0 *answerable* files ``musique_ans_v1.0_train.json
 or, when the optional ``datasets`` package is importable and the hub reachable, ``dgslibisey/MuSiQue`` on the
 Hugging Face hub. Offline without a local copy the builder stops at once, naming the files to download.
 
-Splits (records as in docs/ARCHITECTURE.md, see :mod:`vpo_lightning.tasks.musique.task`):
+Splits (records as in docs/ARCHITECTURE.md, see :mod:`vpo_lightning.tasks.musique`):
 
 * ``train.jsonl``: every answerable training question, in file order;
 * ``test.jsonl``: the paper's hop-stratified evaluation sample of the validation file, ``--per_hop`` (100) questions
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.tasks.musique.task import make_record, num_hops
+from vpo_lightning.tasks.musique import make_record, num_hops
 from vpo_lightning.tasks.public_data import (
     DataUnavailable,
     find_file,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vpo_lightning.rewards import register
-from vpo_lightning.tasks.livecodebench.task import DIMS, lcb_reward
+from vpo_lightning.tasks.livecodebench import DIMS, lcb_reward
 
 register("lcb_tests", dims=DIMS, parallel=True)(lcb_reward)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vpo_lightning.rewards import register
-from vpo_lightning.tasks.eureqa.task import DIMS, eureqa_reward
+from vpo_lightning.tasks.eureqa import DIMS, eureqa_reward
 
 register("eureqa", dims=DIMS)(eureqa_reward)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vpo_lightning.rewards import register
-from vpo_lightning.tasks.musique.task import DIMS, F_WEIGHTS, musique_reward
+from vpo_lightning.tasks.musique import DIMS, F_WEIGHTS, musique_reward
 
 register("musique", dims=DIMS, f_weights=F_WEIGHTS)(musique_reward)
 

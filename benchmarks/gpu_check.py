@@ -182,9 +182,9 @@ def step_environment(c: Check) -> None:
     c.add(Result("environment", status, time.monotonic() - t, reason, numbers))
 
 
-def build_shape_dir(model_id: str, out: Path, weights: bool) -> Path:
+def build_shape_dir(model_id: str, out: Path, weights: bool, device: str = "cuda") -> Path:
     """A HF directory of ``model_id``'s real shape (Qwen2 architecture, config from plan.KNOWN_MODELS) with SmolLM2's
-    tokenizer; ``weights=True`` also writes random bf16 weights (initialised on the GPU, then saved)."""
+    tokenizer; ``weights=True`` also writes random bf16 weights (initialised on ``device``, then saved)."""
     from transformers import AutoTokenizer, Qwen2Config
 
     from vpo_lightning.models import TOKENIZER_ASSETS
@@ -208,11 +208,12 @@ def build_shape_dir(model_id: str, out: Path, weights: bool) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="4GB")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -317,13 +317,18 @@ def fit_step(c: Check, name: str, args: list[str], steps: int, timeout: float, c
         cmd += [f"--data.train_files=[{DATA}]", "--data.val_files=null", "--trainer.limit_val_batches=0",
                 f"--checkpoint.every_n_train_steps={steps}"]
     rc, text, secs = c.run(name, cmd, timeout, cwd=cwd, env={"OMP_NUM_THREADS": "1"} if not cuda else None)
-    numbers = fit_numbers(cwd / "checkpoints" / name) if (cwd / "checkpoints" / name).exists() else {}
+    try:
+        numbers = fit_numbers(cwd / "checkpoints" / name) if (cwd / "checkpoints" / name).exists() else {}
+    except Exception as err:  # noqa: BLE001 - unreadable logs fail this step, not the whole check
+        numbers = {"tensorboard_error": f"{type(err).__name__}: {err}"[:300]}
     numbers["returncode"] = rc
     losses = numbers.get("loss", [])
     ok = rc == 0 and numbers.get("steps_logged", 0) >= steps and all(abs(v) < float("inf") for v in losses)
     reason = ""
     if not ok:
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+        last = (errors or lines)[-1:] or ["no output"]
         reason = ("timed out" if rc == 124 else f"exit {rc}") + f", {numbers.get('steps_logged', 0)}/{steps} steps; " \
             + last[0][:300]
     return c.add(Result(name, "pass" if ok else "fail", secs, reason, numbers, " ".join(cmd)))
@@ -539,18 +544,31 @@ def main(argv: list[str] | None = None) -> int:
     c = Check(out, work, args)
     print(f"[gpu_check] CUDA: {c.cuda} {c.gpus}; {'DRY RUN: ' + c.dry_reason if c.dry else 'full run'}; "
           f"budget {args.budget:.0f}s; report in {out}", flush=True)
-    step_environment(c)
-    configs = step_plans(c)
-    step_tiny_fits(c)
-    step_generation(c, [("tiny", "tiny-llama")])
-    step_scale(c, configs)
+
+    def guarded(label: str, fn: Any, *fn_args: Any) -> Any:
+        """One step's unexpected exception is reported as its failure; the later steps still run."""
+        t = time.monotonic()
+        try:
+            return fn(c, *fn_args)
+        except Exception as err:  # noqa: BLE001
+            import traceback
+
+            c.log(label, traceback.format_exc())
+            c.add(Result(label, "fail", time.monotonic() - t, f"check crashed: {type(err).__name__}: {err}"[:500]))
+            return None
+
+    guarded("environment", step_environment)
+    configs = guarded("plans", step_plans) or {}
+    guarded("fits", step_tiny_fits)
+    guarded("generation", step_generation, [("tiny", "tiny-llama")])
+    guarded("scale", step_scale, configs)
     if list((work / "models" / "qwen2.5-1.5b").glob("*.safetensors")):  # built by step_scale
-        step_generation(c, [("qwen2.5-1.5b", str(work / "models" / "qwen2.5-1.5b"))])
+        guarded("generation", step_generation, [("qwen2.5-1.5b", str(work / "models" / "qwen2.5-1.5b"))])
     elif not c.dry:
         c.skip("generation_qwen2.5-1.5b", "no random Qwen2.5-1.5B weights (scale_qwen2.5-1.5b did not build them)")
     c.skip("vllm_engine", "vLLM cannot be installed on the lent machine (no network; its wheel is over the 64 MiB "
                           "that can be carried): VLLMEngine stays untested")
-    step_tests(c)
+    guarded("tests", step_tests)
     c.write()
     s = {k: sum(r.status == k for r in c.results) for k in ("pass", "fail", "skipped")}
     print(f"[gpu_check] done in {time.monotonic() - c.t0:.0f}s: {s['pass']} pass, {s['fail']} fail, "

@@ -16,7 +16,7 @@ OUTDIR=$1; shift
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-$REPO/.whl}
-mkdir -p "$OUTDIR"
+mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)  # absolute: the script runs from the repository root
 PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 if compgen -G "$WHEELS/*.whl" >/dev/null && [ "$PYVER" != "3.12" ]; then
   echo "[gpu_check] not installing the wheels in $WHEELS: they are for the lent machine's Python 3.12, this is $PYVER"

@@ -95,3 +95,18 @@ def test_pytest_counts_reads_the_last_summary_line():
 def test_usage_error_without_outdir():
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_run_time_box_interrupts_and_logs(tmp_path):
+    """A step past its time box gets SIGINT (pytest then prints its summary), returns 124 and says so in logs.txt."""
+    import argparse
+    import time
+
+    args = argparse.Namespace(dry_run=True, budget=60)
+    check = gpu_check.Check(tmp_path, tmp_path, args)
+    t = time.monotonic()
+    code = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('interrupted cleanly')\n"
+    rc, text, secs = check.run("sleeper", [sys.executable, "-c", code], timeout=2)
+    assert rc == 124 and "interrupted cleanly" in text and "time box of 2s reached" in text
+    assert time.monotonic() - t < 30
+    assert "===== sleeper" in (tmp_path / "logs.txt").read_text()

@@ -6,22 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import build_tiny_module
 
 from vpo_lightning.engines import Generation, SamplingSettings, TransformersEngine
-from vpo_lightning.models import LoraSettings, ModelSettings
-from vpo_lightning.module import OptimSettings, VPOModule, _micro_batches
-from vpo_lightning.rollout import Rollout, build_rollout_tensors
+from vpo_lightning.module import VPOModule, _micro_batches
+from vpo_lightning.protocol import Rollout, build_rollout_tensors
 
 
 def _module(**optim) -> VPOModule:
-    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)),
-                       optim=OptimSettings(**optim))
-    module.configure_model()
-    with torch.no_grad():  # a non-zero adapter so policy and reference differ
-        for n, p in module.policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.1)
-    return module
+    return build_tiny_module(**optim)
 
 
 def _rollout(module: VPOModule, n_prompts=2, group=3, seed=0) -> Rollout:

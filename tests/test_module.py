@@ -110,11 +110,16 @@ def test_training_step_updates_lora_only():
 
 
 def test_transformers_engine_generates_group_contiguous_chains():
+    """Chains n = 0..G-1 continue prompt 0 and G..2G-1 prompt 1: with greedy sampling (top_k = 1) every chain equals
+    its own prompt's continuation generated alone, and the two prompts' continuations differ."""
     module = _module()
     tok = module.tokenizer
     prompts = [tok("hello")["input_ids"], tok("a longer prompt here")["input_ids"]]
-    torch.manual_seed(0)
-    gen = TransformersEngine().generate(module, prompts, 3, SamplingSettings(max_new_tokens=5))
+    greedy = SamplingSettings(max_new_tokens=5, top_k=1)
+    gen = TransformersEngine().generate(module, prompts, 3, greedy)
     assert len(gen.completion_ids) == 6 and len(gen.texts) == 6
     assert all(1 <= len(c) <= 5 for c in gen.completion_ids)
     assert gen.num_tokens == sum(len(c) for c in gen.completion_ids)
+    alone = [TransformersEngine().generate(module, [p], 1, greedy).completion_ids[0] for p in prompts]
+    assert alone[0] != alone[1]  # otherwise the order check below would prove nothing
+    assert gen.completion_ids == [alone[0]] * 3 + [alone[1]] * 3

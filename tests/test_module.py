@@ -14,6 +14,7 @@ from vpo_lightning.protocol import Rollout, build_rollout_tensors
 
 
 def _module(**optim) -> VPOModule:
+    torch.manual_seed(0)  # LoRA init and the adapter noise: the same weights whatever ran before
     return build_tiny_module(**optim)
 
 

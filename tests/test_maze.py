@@ -331,7 +331,7 @@ def test_shaped_prompt_and_record() -> None:
 @pytest.mark.parametrize(("folder", "size"), [("5x5_shaped", 5), ("7x7_shaped", 7)])
 def test_small_model_splits(folder: str, size: int) -> None:
     """The shipped small-model splits: their settings, regenerable, and seeds disjoint from every other split."""
-    from vpo_lightning.data.maze import SETTINGS
+    from vpo_lightning.tasks.maze.build import SETTINGS
 
     seeds: dict[str, set[int]] = {}
     for path in sorted(DATA.glob("**/*.jsonl")):

@@ -627,7 +627,3 @@ def draw_main(argv: Sequence[str] | None = None) -> int:
     draw_maze(maze, routes, args.out, labels=labels, title=args.title)
     print(f"wrote {args.out} ({len(routes)} routes on {record.get('id')})")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(draw_main())

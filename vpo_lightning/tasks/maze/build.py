@@ -1,4 +1,4 @@
-"""Build the maze splits: ``python -m vpo_lightning.data.maze [--out data/maze] [--size 9] [--rules sparse]
+"""Build the maze splits: ``python -m vpo_lightning.tasks.maze.build [--out data/maze] [--size 9] [--rules sparse]
 [--seed_offset 0] [--train 2000 --val 100 --test 100]``.
 
 Each split draws generator seeds from its own disjoint range (train from ``seed_offset``, val from

@@ -4,6 +4,7 @@ module hook (zero-advantage chains skipped only when beta is 0, with the same gr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -192,7 +193,7 @@ def _tiny_module(beta: float):
     from test_module import _module
 
     module = _module()
-    module.loss_settings.beta = beta
+    module.loss_settings = replace(module.loss_settings, beta=beta)  # a copy: the default instance is shared
     module.manual_backward = lambda loss: loss.backward()
     return module
 

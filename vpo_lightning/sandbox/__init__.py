@@ -49,6 +49,8 @@ its process fails alone and the next test gets a fresh process.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import queue
 import selectors
@@ -59,201 +61,25 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-# Plain-data codec, shared verbatim by the parent and the child bootstrap (which cannot import this package).
-_CODEC_SRC = r'''
-import json as _json
+from . import _codec
+
+log = logging.getLogger(__name__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHILD_FILES = ("_child.py", "_codec.py")
+_BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
+_LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
+WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
 
 
-def encode(value, _depth=0):
-    if _depth > 200:
-        raise ValueError("value nested too deeply")
-    t = type(value)
-    if value is None or t is bool or t is int or t is float or t is str:
-        return value
-    if t is list:
-        return [encode(v, _depth + 1) for v in value]
-    if t is tuple:
-        return {"t": [encode(v, _depth + 1) for v in value]}
-    if t is dict:
-        return {"d": [[encode(k, _depth + 1), encode(v, _depth + 1)] for k, v in value.items()]}
-    if t is set or t is frozenset:
-        return {"s" if t is set else "f": [encode(v, _depth + 1) for v in value]}
-    if t is bytes:
-        return {"b": value.hex()}
-    if t is complex:
-        return {"c": [value.real, value.imag]}
-    raise TypeError("cannot pass a %s value across the sandbox boundary" % t.__name__)
-
-
-def _tagged(obj):
-    if len(obj) != 1:
-        raise ValueError("malformed tagged value")
-    ((tag, v),) = obj.items()
-    if tag == "t":
-        return tuple(v)
-    if tag == "d":
-        return {k: x for k, x in v}
-    if tag == "s":
-        return set(v)
-    if tag == "f":
-        return frozenset(v)
-    if tag == "b":
-        return bytes.fromhex(v)
-    if tag == "c":
-        return complex(*v)
-    raise ValueError("unknown tag %r" % tag)
-
-
-def dumps(msg):
-    return _json.dumps(msg, separators=(",", ":")).encode()
-
-
-def loads(data):
-    return _json.loads(data, object_hook=_tagged)
-'''
-
-# The child's trusted bootstrap: limits, guard, then the candidate. argv: mode cwd result_fd cpu_s mem_mb nproc
-# fsize_mb nofile guard.
-_BOOT_SRC = (
-    _CODEC_SRC
-    + r'''
-import os
-import resource
-import sys
-
-
-def _limits(cpu_s, mem_mb, nproc, fsize_mb, nofile):
-    R = resource
-    for res, soft, hard in ((R.RLIMIT_CORE, 0, 0), (R.RLIMIT_CPU, cpu_s, cpu_s + 1),
-                            (R.RLIMIT_AS, mem_mb << 20, mem_mb << 20), (R.RLIMIT_FSIZE, fsize_mb << 20, fsize_mb << 20),
-                            (R.RLIMIT_NOFILE, nofile, nofile), (R.RLIMIT_NPROC, nproc, nproc)):
-        try:
-            R.setrlimit(res, (soft, hard))
-        except (ValueError, OSError):
-            pass
-
-
-_DENY = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.system",
-         "os.forkpty", "pty.", "os.startfile", "os.symlink", "os.link", "os.chflags", "os.lchflags", "os.setxattr",
-         "os.removexattr", "sqlite3.", "resource.setrlimit", "resource.prlimit", "os.chroot", "winreg.")
-_NO_IMPORT = frozenset({"_ctypes", "ctypes", "_posixsubprocess", "_socket", "_multiprocessing", "_posixshmem"})
-# event -> (indices of path arguments, indices of dir_fd arguments)
-_PATH_EVENTS = {"os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.rename": ((0, 1), (2, 3)),
-                "os.mkdir": ((0,), (2,)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
-                "os.utime": ((0,), (3,)), "os.truncate": ((0,), ()), "shutil.rmtree": ((0,), (1,)),
-                "shutil.move": ((0, 1), ()), "shutil.copyfile": ((1,), ()), "os.mkfifo": ((0,), (2,)),
-                "os.mknod": ((0,), (3,))}
-
-
-def _guard(root):
-    realpath, abspath, fsdecode, getpid = os.path.realpath, os.path.abspath, os.fsdecode, os.getpid
-    root = realpath(root)
-    wflags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-    def inside(path):
-        if isinstance(path, int):
-            return True
-        try:
-            full = realpath(fsdecode(path))
-        except Exception:
-            return False
-        return full == root or full.startswith(root + "/")
-
-    def deny(event):
-        raise PermissionError("sandbox: %s is not allowed" % event)
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            text = fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
-            full = abspath(text)
-            if full.startswith("/proc/") and not full.startswith(("/proc/self/", "/proc/thread-self/")):
-                deny("reading other processes' /proc")
-            writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & wflags)
-            if writing and (not inside(path) or (mode is None and not text.startswith("/"))):
-                deny("writing outside the sandbox directory")
-        elif event.startswith(_DENY):
-            deny(event)
-        elif event == "import" and args[0] in _NO_IMPORT:
-            deny("importing " + args[0])
-        elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
-            if event != "signal.pthread_kill" and args[0] != getpid():
-                deny("signalling another process")
-        elif event in _PATH_EVENTS:
-            paths, fds = _PATH_EVENTS[event]
-            if any(i < len(args) and args[i] not in (None, -1, -100) for i in fds):
-                deny(event + " with dir_fd")
-            if not all(i >= len(args) or inside(args[i]) for i in paths):
-                deny(event + " outside the sandbox directory")
-
-    sys.addaudithook(hook)
-
-
-def _read_exact(fd, n, read=os.read):
-    buf = b""
-    while len(buf) < n:
-        chunk = read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
-
-
-def _serve(program, res_fd):
-    write, read_exact = os.write, _read_exact
-
-    def send(msg):
-        data = dumps(msg)
-        data = len(data).to_bytes(4, "big") + data
-        while data:
-            data = data[write(res_fd, data):]
-
-    ns = {"__name__": "__sandbox__", "__builtins__": __builtins__}
-    try:
-        exec(compile(program, "<candidate>", "exec"), ns)
-    except BaseException as e:
-        send(["load_error", "%s: %s" % (type(e).__name__, str(e)[:500])])
-        return
-    send(["ready"])
-    while True:
-        head = read_exact(0, 4)
-        body = head and read_exact(0, int.from_bytes(head, "big"))
-        if body is None:
-            return
-        try:
-            name, args, kwargs = loads(body)
-            out = ["ok", encode(ns[name](*args, **kwargs))]
-        except BaseException as e:
-            out = ["err", "%s: %s" % (type(e).__name__, str(e)[:500])]
-        send(out)
-
-
-def _main(mode, cwd, res_fd, cpu_s, mem_mb, nproc, fsize_mb, nofile, guard):
-    _limits(int(cpu_s), int(mem_mb), int(nproc), int(fsize_mb), int(nofile))
-    os.chdir(cwd)
-    with open("main.py", encoding="utf-8") as f:
-        program = f.read()
-    if guard == "1":
-        _guard(cwd)
-    if mode == "serve":
-        _serve(program, int(res_fd))
-    else:
-        exec(compile(program, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-
-
-_main(*sys.argv[1:])
-'''
-)
-
-_codec: dict[str, Any] = {}
-exec(_CODEC_SRC, _codec)  # the parent's copy of the codec (encode/decode plain data)
+def _boot(lib: str) -> str:
+    """The ``-c`` program: import the bootstrap module from ``lib`` and run it (nothing else of the parent)."""
+    return f"import sys; sys.path.insert(0, {lib!r}); import _child; _child.main()"
 
 
 @dataclass(frozen=True)
@@ -268,10 +94,11 @@ class SandboxLimits:
     max_file_mb: int = 16
     max_open_files: int = 64
     guard: bool = True
+    max_disk_mb: int = 32
 
-    def argv(self, mode: str, cwd: str, res_fd: int) -> list[str]:
+    def argv(self, mode: str, res_fd: int) -> list[str]:
         cpu = self.cpu_s if self.cpu_s is not None else int(self.timeout_s) + 2
-        return [mode, cwd, str(res_fd), str(max(1, cpu)), str(self.memory_mb), str(self.max_procs),
+        return [mode, str(res_fd), str(max(1, cpu)), str(self.memory_mb), str(self.max_procs),
                 str(self.max_file_mb), str(self.max_open_files), "1" if self.guard else "0"]
 
 
@@ -286,7 +113,7 @@ class SandboxResult:
         timed_out: the wall-clock deadline passed and the run was killed.
         killed_reason: ``"timeout"``, ``"output_limit"`` or None.
         duration_s: wall-clock seconds.
-        isolation: the isolation level used (see :func:`isolation_info`).
+        isolation: the isolation mode used (see :func:`isolation_info`).
     """
 
     returncode: int | None
@@ -302,14 +129,21 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_reason is None
 
 
+class SandboxUnavailable(RuntimeError):
+    """No kernel isolation here and weak mode was not opted into: untrusted code is refused."""
+
+
 # ----------------------------------------------------------------------------------------------- isolation
 
 
 @dataclass(frozen=True)
 class _Isolation:
-    kind: str  # "root" | "userns" | "none"
+    kind: str  # "root" | "userns" | "weak" | "unavailable"
     python: str
-    unshare: str | None
+    bwrap: str | None = None
+    setpriv: str | None = None
+    binds: tuple[str, ...] = ()  # bubblewrap arguments that lay out the interpreter read-only
+    reason: str = ""
 
 
 class _UidPool:
@@ -334,32 +168,6 @@ _UIDS: _UidPool | None = None
 _UIDS_LOCK = threading.Lock()
 
 
-def _wrapper(iso: _Isolation, uid: int | None) -> list[str]:
-    if iso.kind == "root":
-        ids = ["--setuid", str(uid), "--setgid", str(uid)]
-        return [iso.unshare, "--net", "--pid", "--fork", "--kill-child", *ids, "--"]
-    if iso.kind == "userns":
-        return [iso.unshare, "--map-current-user", "--net", "--pid", "--fork", "--kill-child", "--"]
-    return []
-
-
-def _probe(iso: _Isolation) -> bool:
-    """Whether ``iso`` can start its interpreter and import the stdlib (as the sandbox uid)."""
-    uid = _uid_pool().acquire() if iso.kind == "root" else None
-    tmp = _make_dir(uid)
-    try:
-        cmd = [*_wrapper(iso, uid), iso.python, "-I", "-S", "-B", "-c", "import math, json, resource, os"]
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
-        done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, timeout=30, start_new_session=True)
-        return done.returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-    finally:
-        _remove_dir(tmp)
-        if uid is not None:
-            _uid_pool().release(uid)
-
-
 def _uid_pool() -> _UidPool:
     global _UIDS
     with _UIDS_LOCK:
@@ -368,23 +176,92 @@ def _uid_pool() -> _UidPool:
         return _UIDS
 
 
+def _python_binds(python: str) -> tuple[str, ...] | None:
+    """Read-only bubblewrap binds for ``python``: the executable, its standard library (its ``site-packages``
+    hidden) and the shared libraries it and its extension modules load (from ``ldd``). None if unknown."""
+    query = ("import json, sys, sysconfig; p = sysconfig.get_paths(); d = sysconfig.get_config_var('DESTSHARED'); "
+             "print(json.dumps([sys.executable, p['stdlib'], p['platstdlib'], d]))")
+    try:
+        out = subprocess.run([python, "-I", "-S", "-c", query], capture_output=True, text=True, timeout=30)
+        exe, stdlib, platstdlib, dynload = json.loads(out.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    exe = os.path.realpath(exe)
+    dirs = [d for d in dict.fromkeys((stdlib, platstdlib, dynload)) if d and os.path.isdir(d)]
+    objects = [exe] + [os.path.join(dynload, f) for f in os.listdir(dynload) if f.endswith(".so")] if dynload and \
+        os.path.isdir(dynload) else [exe]
+    ldd = shutil.which("ldd")
+    libs: dict[str, str] = {}
+    if ldd:
+        try:
+            out = subprocess.run([ldd, *objects], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            path = parts[2] if len(parts) >= 3 and parts[1] == "=>" else parts[0] if parts else ""
+            if path.startswith("/") and os.path.exists(path):
+                libs[path] = os.path.realpath(path)
+    binds = ["--ro-bind", exe, exe]
+    for d in dirs:
+        binds += ["--ro-bind", d, d]
+        site = os.path.join(d, "site-packages")
+        if os.path.isdir(site):
+            binds += ["--tmpfs", site]
+    for path, real in sorted(libs.items()):
+        binds += ["--ro-bind", real, path]
+    return tuple(binds)
+
+
 def _candidate_pythons() -> list[str]:
-    found = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", shutil.which("python3") or ""]
-    return list(dict.fromkeys(p for p in found if p and os.path.exists(p)))
+    found = [os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""), "/usr/bin/python3",
+             shutil.which("python3") or ""]
+    return list(dict.fromkeys(os.path.realpath(p) for p in found if p and os.path.exists(p)))
+
+
+def _weak_allowed() -> bool:
+    return os.environ.get(WEAK_FLAG, "").strip().lower() in ("1", "true", "yes")
 
 
 def _detect() -> _Isolation:
-    forced = os.environ.get("VPO_SANDBOX_ISOLATION", "auto")
-    unshare = shutil.which("unshare") or ("/usr/bin/unshare" if os.path.exists("/usr/bin/unshare") else None)
+    forced = os.environ.get("VPO_SANDBOX_ISOLATION", "auto").strip().lower() or "auto"
+    bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
     kinds = ["root", "userns"] if forced == "auto" else [forced]
+    why = []
     for kind in kinds:
-        if kind == "none" or unshare is None or (kind == "root" and os.geteuid() != 0):
+        if kind not in ("root", "userns"):
+            continue
+        if bwrap is None or (kind == "root" and (os.geteuid() != 0 or setpriv is None)):
+            why.append(f"{kind}: needs {'root, setpriv and ' if kind == 'root' else ''}bubblewrap (bwrap)")
             continue
         for python in _candidate_pythons():
-            iso = _Isolation(kind, python, unshare)
-            if _probe(iso):
+            binds = _python_binds(python)
+            if binds is None:
+                continue
+            iso = _Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds)
+            error = _probe(iso)
+            if not error:
                 return iso
-    return _Isolation("none", sys.executable, None)
+            why.append(f"{kind} with {python}: {error}")
+    reason = "; ".join(why) or f"VPO_SANDBOX_ISOLATION={forced}"
+    if _weak_allowed() and forced in ("auto", "weak"):
+        return _Isolation("weak", os.path.realpath(sys.executable), reason=reason)
+    return _Isolation("unavailable", "", reason=reason)
+
+
+def _probe(iso: _Isolation) -> str:
+    """'' if ``iso`` can run the bootstrap in the sandbox, else why not."""
+    try:
+        child = _Child("print('ok')", SandboxLimits(timeout_s=30), "run", iso=iso)
+    except (OSError, SandboxUnavailable) as e:
+        return str(e)
+    try:
+        out, err = child.proc.communicate(timeout=30)
+        return "" if child.proc.returncode == 0 and out == b"ok\n" else (err or out).decode(errors="replace")[-300:]
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    finally:
+        child.close()
 
 
 def _isolation() -> _Isolation:
@@ -392,25 +269,41 @@ def _isolation() -> _Isolation:
     with _ISO_LOCK:
         if _ISO is None:
             _ISO = _detect()
+            if _ISO.kind in ("root", "userns"):
+                log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, python %s)",
+                         _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
+                         _ISO.python)
+            elif _ISO.kind == "weak":
+                log.warning("sandbox isolation: WEAK (%s=1): model-written code runs with no kernel isolation, only "
+                            "rlimits and an audit hook; it can read the filesystem. Why no isolation: %s",
+                            WEAK_FLAG, _ISO.reason)
+            else:
+                log.error("sandbox isolation: none available, untrusted code will be refused (%s)", _ISO.reason)
         return _ISO
 
 
 def isolation_info() -> dict[str, Any]:
-    """Which isolation the sandbox uses here: ``{"kind": "root"|"userns"|"none", "python": path}``."""
+    """The sandbox mode here: ``{"kind": "root"|"userns"|"weak"|"unavailable", "python": path, ...}``."""
     iso = _isolation()
-    return {"kind": iso.kind, "python": iso.python, "network_namespace": iso.kind != "none",
-            "pid_namespace": iso.kind != "none", "private_uid": iso.kind == "root"}
+    strong = iso.kind in ("root", "userns")
+    return {"kind": iso.kind, "python": iso.python, "kernel_isolation": strong, "network_namespace": strong,
+            "pid_namespace": strong, "mount_namespace": strong, "private_uid": iso.kind == "root",
+            "reason": iso.reason}
 
 
 # ------------------------------------------------------------------------------------------------ processes
 
 
-def _make_dir(uid: int | None) -> str:
-    path = tempfile.mkdtemp(prefix="vpo-sandbox-")
-    if uid is not None:
-        os.chown(path, uid, uid)
-    os.chmod(path, 0o700)
-    return path
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@lru_cache(maxsize=1)
+def _child_sources() -> tuple[bytes, ...]:
+    return tuple(open(os.path.join(_HERE, name), "rb").read() for name in _CHILD_FILES)
 
 
 def _remove_dir(path: str) -> None:
@@ -426,41 +319,72 @@ def _remove_dir(path: str) -> None:
 
 
 class _Child:
-    """One sandboxed interpreter: its process, directory, uid and pipes, and how to kill and clean it."""
+    """One sandboxed interpreter: its process, uid and pipes, and how to kill and clean it."""
 
-    def __init__(self, program: str, limits: SandboxLimits, mode: str, merge_stderr: bool = False) -> None:
-        self.iso = _isolation()
+    def __init__(self, program: str, limits: SandboxLimits, mode: str, merge_stderr: bool = False,
+                 iso: _Isolation | None = None) -> None:
+        self.iso = iso or _isolation()
+        if self.iso.kind == "unavailable":
+            raise SandboxUnavailable(
+                "the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
+                f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
+                f"isolation (the candidate can then read this machine's files). Why: {self.iso.reason}")
         self.uid = _uid_pool().acquire() if self.iso.kind == "root" else None
-        self.dir = _make_dir(self.uid)
-        self.res_r: int | None = None
+        self.dir, self.res_r = "", None
+        fds: list[int] = []
         try:
-            main = os.path.join(self.dir, "main.py")
-            with open(main, "w", encoding="utf-8") as f:
-                f.write(program)
-            if self.uid is not None:
-                os.chown(main, self.uid, self.uid)
             res_w = -1
             if mode == "serve":
                 self.res_r, res_w = os.pipe()
-            cmd = [*_wrapper(self.iso, self.uid), self.iso.python, "-I", "-S", "-B", "-c", _BOOT_SRC]
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.dir, "TMPDIR": self.dir, "LANG": "C.UTF-8"}
+                fds.append(res_w)
+            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+            if self.iso.kind == "weak":
+                self.dir = tempfile.mkdtemp(prefix="vpo-sandbox-")
+                with open(os.path.join(self.dir, "main.py"), "w", encoding="utf-8") as f:
+                    f.write(program)
+                cmd, cwd = [self.iso.python, "-I", "-S", "-B", "-c", _boot(_HERE)], self.dir
+                env.update(HOME=self.dir, TMPDIR=self.dir)
+            else:
+                files = [_memfd("main", program.encode()), *(_memfd(n, src) for n, src in
+                                                             zip(_CHILD_FILES, _child_sources()))]
+                fds += files
+                cmd, cwd = self._bwrap_cmd(limits, files), "/"
+                env.update(HOME=_BOX, TMPDIR=_BOX)
             self.proc = subprocess.Popen(
-                cmd + limits.argv(mode, self.dir, res_w), cwd=self.dir, env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-                pass_fds=(res_w,) if res_w >= 0 else (), start_new_session=True,
+                cmd + limits.argv(mode, res_w), cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, pass_fds=tuple(fds),
+                start_new_session=True,
             )
-            if res_w >= 0:
-                os.close(res_w)
         except BaseException:
             self.close()
             raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _bwrap_cmd(self, limits: SandboxLimits, files: list[int]) -> list[str]:
+        iso = self.iso
+        prefix = [] if self.uid is None else [iso.setpriv, "--reuid", str(self.uid), "--regid", str(self.uid),
+                                              "--clear-groups", "--"]
+        main_fd, child_fd, codec_fd = files
+        return [
+            *prefix, iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session",
+            "--proc", "/proc", "--dev", "/dev", *iso.binds,
+            "--size", str(limits.max_disk_mb << 20), "--perms", "0700", "--tmpfs", _BOX,
+            "--symlink", _BOX, "/tmp", "--symlink", _BOX, "/var/tmp",
+            "--file", str(main_fd), f"{_BOX}/main.py",
+            "--file", str(child_fd), f"{_LIB}/_child.py", "--file", str(codec_fd), f"{_LIB}/_codec.py",
+            "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", _BOX,
+            iso.python, "-I", "-S", "-B", "-c", _boot(_LIB),
+        ]
 
     def kill(self) -> None:
         """Kill the run: the namespace init first (so the kernel reaps everything), then the process group."""
         proc = getattr(self, "proc", None)
         if proc is None or proc.poll() is not None:
             return
-        if self.iso.kind != "none":
+        if self.iso.kind != "weak":
             try:
                 with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                     for pid in f.read().split():
@@ -641,6 +565,7 @@ def run_python(
     max_output_bytes: int = 64_000,
     max_procs: int = 16,
     max_file_mb: int = 16,
+    max_disk_mb: int = 32,
     guard: bool = True,
 ) -> SandboxResult:
     """Run ``code`` as a program in the sandbox (see the module docstring for what it may and may not do).
@@ -654,12 +579,18 @@ def run_python(
         max_output_bytes: per stream; the run is killed once either stream reaches it.
         max_procs: ``RLIMIT_NPROC`` (effective with a private uid, i.e. in ``root`` isolation).
         max_file_mb: ``RLIMIT_FSIZE`` in MiB.
+        max_disk_mb: size of the run directory's tmpfs (all files together; kernel isolation modes only).
         guard: install the audit-hook guard (disable only to test the OS-level layer).
 
     Returns:
         A :class:`SandboxResult`; never raises because of what the code does.
+
+    Raises:
+        SandboxUnavailable: no kernel isolation here and weak mode was not opted into.
     """
-    limits = SandboxLimits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_procs, max_file_mb, guard=guard)
+    limits = SandboxLimits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_procs, max_file_mb, guard=guard,
+                           max_disk_mb=max_disk_mb)
+    _isolation()  # probe once, before the deadline runs
     start = time.monotonic()
     child = _Child(code, limits, "run")
     pump = _Pump(child, max_output_bytes)
@@ -704,6 +635,9 @@ class SandboxCallError(RuntimeError):
         self.reason = reason
 
 
+_READY = _codec.dumps(["ready"])
+
+
 class FunctionSession:
     """A program loaded once in the sandbox, whose top-level functions the parent calls with plain data.
 
@@ -720,6 +654,7 @@ class FunctionSession:
 
     def __init__(self, program: str, *, cpu_s: int = 10, memory_mb: int = 512, max_output_bytes: int = 64_000,
                  max_procs: int = 16, guard: bool = True, max_message_bytes: int = 1 << 20) -> None:
+        _isolation()  # probe once, before any deadline runs
         self.program = program
         self.limits = SandboxLimits(0.0, cpu_s, memory_mb, max_output_bytes, max_procs, guard=guard)
         self.max_message_bytes = max_message_bytes
@@ -740,21 +675,52 @@ class FunctionSession:
         self._child = _Child(self.program, self.limits, "serve", merge_stderr=True)
         self._pump = _Pump(self._child, self.limits.max_output_bytes)
         got = self._pump.run(deadline, self.max_message_bytes)
-        msg = self._decode(got) if isinstance(got, bytes) else None
-        if msg == ["ready"]:
+        if got == _READY:
             return
         self._stop()
+        msg = _decode(got) if isinstance(got, bytes) and len(got) <= 4096 else None
         if isinstance(msg, list) and msg[:1] == ["load_error"]:
             self.load_error = str(msg[1:2])
         else:
             self.load_error = f"not ready ({got if isinstance(got, str) else 'bad message'})"
         raise SandboxCallError("load", self.load_error)
 
-    def _decode(self, data: bytes) -> Any:
-        try:
-            return _codec["loads"](data)
-        except Exception:  # noqa: BLE001 - any garbage from the child is just an unreadable answer
-            return None
+    def call_raw(self, name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
+                 deadline: float, on_callback: Callable[[bytes], bytes] | None = None) -> bytes:
+        """Like :meth:`call`, but return the answer frame undecoded (``["ok", value]`` or ``["err", text]`` as
+        JSON bytes, at most ``max_message_bytes``), so that decoding can happen elsewhere (in another sandbox).
+
+        Args:
+            on_callback: handles the program's ``__vpo_call__(args, kwargs)`` requests: given the raw
+                ``["cb", args, kwargs]`` frame, it returns the raw reply frame (``["ok", value]`` /
+                ``["err", text]``). Without it such a request fails the call.
+
+        Raises:
+            SandboxCallError: the process timed out, died, flooded its output or did not load (it is stopped).
+        """
+        request = _codec.dumps([name, _codec.encode(list(args)), _codec.encode(dict(kwargs or {}))])
+        return self.call_frame(request, deadline=deadline, on_callback=on_callback)
+
+    def call_frame(self, request: bytes, *, deadline: float,
+                   on_callback: Callable[[bytes], bytes] | None = None) -> bytes:
+        """:meth:`call_raw` with the request already encoded (``[name, args, kwargs]`` as JSON bytes): relays
+        a request from one sandbox to another without decoding it here."""
+        if self.load_error is not None:
+            raise SandboxCallError("load", self.load_error)
+        if self._child is None:
+            self._start(deadline)
+        assert self._pump is not None
+        self._pump.send(len(request).to_bytes(4, "big") + request)
+        while True:
+            got = self._pump.run(deadline, self.max_message_bytes)
+            if isinstance(got, bytes) and got.startswith(b'["cb",') and on_callback is not None:
+                reply = on_callback(got)
+                self._pump.send(len(reply).to_bytes(4, "big") + reply)
+                continue
+            if isinstance(got, bytes) and got.startswith((b'["ok",', b'["err",')):
+                return got
+            self._stop()  # timed out, died, flooded, or spoke garbage: this process is done
+            raise SandboxCallError(got if isinstance(got, str) else "bad_answer")
 
     def call(self, name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
              deadline: float) -> Any:
@@ -770,21 +736,13 @@ class FunctionSession:
             SandboxCallError: the candidate raised, timed out, died, flooded its output, did not load, or sent
                 something that is not plain data. ``TypeError`` if the arguments are not plain data.
         """
-        if self.load_error is not None:
-            raise SandboxCallError("load", self.load_error)
-        request = _codec["dumps"]([name, _codec["encode"](list(args)), _codec["encode"](dict(kwargs or {}))])
-        if self._child is None:
-            self._start(deadline)
-        assert self._pump is not None
-        self._pump.send(len(request).to_bytes(4, "big") + request)
-        got = self._pump.run(deadline, self.max_message_bytes)
-        msg = self._decode(got) if isinstance(got, bytes) else None
+        msg = _decode(self.call_raw(name, args, kwargs, deadline=deadline))
         if isinstance(msg, list) and len(msg) == 2 and msg[0] == "ok":
             return msg[1]
         if isinstance(msg, list) and len(msg) == 2 and msg[0] == "err":
-            raise SandboxCallError("raised", str(msg[1]))
-        self._stop()  # timed out, died, flooded, or spoke garbage: this process is done
-        raise SandboxCallError(got if isinstance(got, str) else "bad_answer")
+            raise SandboxCallError("raised", str(msg[1])[:1000])
+        self._stop()
+        raise SandboxCallError("bad_answer")
 
     def close(self) -> None:
         """End the process (EOF on its requests, then a kill if it lingers) and clean up."""
@@ -797,6 +755,13 @@ class FunctionSession:
         self.close()
 
 
+def _decode(data: bytes) -> Any:
+    try:
+        return _codec.loads(data)
+    except Exception:  # noqa: BLE001 - any garbage from the child is just an unreadable answer
+        return None
+
+
 def encode(value: Any) -> Any:
     """The tagged-JSON form of a plain-data value (raises ``TypeError`` on anything else)."""
-    return _codec["encode"](value)
+    return _codec.encode(value)

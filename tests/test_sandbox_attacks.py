@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -88,11 +87,11 @@ def test_hidden_tests_are_unreadable(mode: str) -> None:
     for record in records:
         entry = record["ground_truth"]["entry_point"]
         cheat = (
-            "import ast, glob, json, re\n_T = {}\n"
-            "for f in glob.glob(%r):\n"
+            "import ast, glob, json, re\n_T = {{}}\n"
+            "for f in glob.glob({!r}):\n"
             "    for line in open(f):\n"
             "        r = json.loads(line)\n"
-            "        if r['ground_truth']['entry_point'] != %r:\n"
+            "        if r['ground_truth']['entry_point'] != {!r}:\n"
             "            continue\n"
             "        for t in r['ground_truth']['tests']:\n"
             "            for m in re.finditer(r'candidate\\((.*?)\\) == (.+)$', t, re.M):\n"
@@ -100,8 +99,8 @@ def test_hidden_tests_are_unreadable(mode: str) -> None:
             "                    _T[repr(ast.literal_eval('(' + m.group(1) + ',)'))] = ast.literal_eval(m.group(2))\n"
             "                except Exception:\n"
             "                    pass\n"
-            "def %s(*args):\n    return _T.get(repr(args))\n"
-        ) % (str(REPO / "data/code/*.jsonl"), entry, entry)
+            "def {}(*args):\n    return _T.get(repr(args))\n"
+        ).format(str(REPO / "data/code/*.jsonl"), entry, entry)
         scored += sum(run_tests(f"```python\n{cheat}```", record["ground_truth"], total_timeout_s=6.0))
     assert scored == 0
 
@@ -200,10 +199,10 @@ def test_total_disk_use_is_capped(mode: str) -> None:
     """Many files just under the per-file limit: the run's total writes stay bounded."""
     code = (
         "import os\ntotal = 0\n"
-        "for d in ('.', os.environ.get('TMPDIR', '.'), '/tmp', '/dev/shm'):\n"
+        "for j, d in enumerate(('.', os.environ.get('TMPDIR', '.'), '/tmp', '/dev/shm')):\n"
         "    for i in range(20):\n"
         "        try:\n"
-        "            with open(os.path.join(d, 'f%d' % i), 'wb') as f:\n"
+        "            with open(os.path.join(d, 'f%d-%d' % (j, i)), 'wb') as f:\n"
         "                f.write(b'x' * (15 << 20))\n"
         "            total += 15 << 20\n"
         "        except OSError:\n"

@@ -369,7 +369,7 @@ class _Child:
         main_fd, child_fd, codec_fd = files
         return [
             *prefix, iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session",
+            "--as-pid-1", "--new-session",
             "--proc", "/proc", "--dev", "/dev", *iso.binds,
             "--size", str(limits.max_disk_mb << 20), "--perms", "0700", "--tmpfs", _BOX,
             "--symlink", _BOX, "/tmp", "--symlink", _BOX, "/var/tmp",

@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 .PHONY: setup fit test test-fast lint clean
 
 $(STAMP): pyproject.toml Makefile
+	# the code sandbox's kernel isolation (bubblewrap), installed only when missing
+	command -v bwrap >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && apt-get install -y -qq bubblewrap; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \

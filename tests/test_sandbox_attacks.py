@@ -356,3 +356,23 @@ def test_honest_candidate_still_passes(mode: str) -> None:
     assert toy("def add(a, b):\n    return a + b") == [True, True, True]
     result = sandbox.run_python("import os\nopen('x', 'w').write('hi')\nprint(open('x').read(), os.getcwd() != '')")
     assert result.ok and result.stdout == "hi True\n"
+
+
+def test_without_kernel_isolation_untrusted_code_is_refused(monkeypatch, caplog) -> None:
+    """No bubblewrap on PATH: the sandbox refuses to run code unless weak mode is opted into by name, and the log
+    says which mode is active."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
+    monkeypatch.delenv("VPO_SANDBOX_ISOLATION", raising=False)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    with caplog.at_level("INFO", logger="vpo_lightning.sandbox"):
+        assert sandbox.isolation_info()["kind"] == "unavailable"
+        with pytest.raises(sandbox.SandboxUnavailable, match=sandbox.WEAK_FLAG):
+            sandbox.run_python("print(1)")
+        with pytest.raises(sandbox.SandboxUnavailable):
+            toy("def add(a, b):\n    return a + b")
+        monkeypatch.setenv(sandbox.WEAK_FLAG, "1")
+        monkeypatch.setattr(sandbox, "_ISO", None)
+        result = sandbox.run_python("print(1)")
+    assert result.ok and result.isolation == "weak" and result.stdout == "1\n"
+    assert "refused" in caplog.text and "WEAK" in caplog.text

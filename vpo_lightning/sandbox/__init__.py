@@ -1,49 +1,65 @@
-"""Run model-written Python in a limited subprocess.
+"""Run model-written Python where it can neither read the answers nor reach the trainer.
 
-Two entry points share one launcher:
+Threat model. In RL the code under test is written by a policy that is rewarded for passing: anything a candidate
+can read (reference solutions, hidden tests, the project's data), write (files a later candidate or the trainer
+reads), reach (sockets, other processes) or forge (the verdict, the trainer's time) becomes a reward it learns to
+take. So the candidate is isolated by the kernel, not by Python, and nothing it sends back is trusted.
 
-* :func:`run_python` (and the batch helper :func:`run_many`) runs a whole program once and returns its exit
-  status and (capped) output, like ``python main.py``.
-* :class:`FunctionSession` loads a program once and serves calls to its functions over a private pipe: the
-  parent sends plain-data arguments, the child answers with a plain-data value (``None``/bool/int/float/str,
-  lists, tuples, dicts, sets, bytes; tagged JSON, never pickle). The code reward evaluates every test assertion
-  *in the parent* on the returned values, so a candidate cannot forge a verdict: nothing it prints, patches or
-  writes inside its own process can reach the checker, and objects with a rigged ``__eq__`` cannot cross the
-  boundary. A call that crashes, exits, hangs or floods the output kills only that process; the next call
-  starts a fresh one.
+Entry points (one launcher):
 
-Isolation, strongest first (probed once, see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION`` = ``root``,
-``userns`` or ``none`` forces a level):
+* :func:`run_python` (and :func:`run_many`) runs a whole program once and returns its exit status and capped
+  output, like ``python main.py``.
+* :class:`FunctionSession` loads a program once and serves calls to its functions over a private pipe: plain-data
+  arguments in, a plain-data answer out (tagged JSON, never pickle; see :mod:`._codec`). :meth:`~FunctionSession.
+  call_raw` / :meth:`~FunctionSession.call_frame` return or relay answers undecoded, so the code reward computes
+  verdicts in a second sandbox (the checker) and the trainer decodes nothing a candidate wrote.
 
-* ``root`` (running as root with util-linux ``unshare``): each run gets its own network namespace (no network
-  at all), its own PID namespace (killing its init kills and reaps every process it forked, even ones that
-  called ``setsid``), and a private unprivileged uid from a per-process pool (so ``RLIMIT_NPROC`` applies, the
-  project tree, ``/root`` and other processes' ``/proc/<pid>/environ`` are out of reach, and concurrent runs
-  cannot signal or ptrace each other). The interpreter must be readable by that uid: when ``sys.executable``
-  is not (a pyenv under ``/root``), the first of ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
-* ``userns`` (not root, unprivileged user namespaces allowed): same namespaces, the caller's own uid.
-* ``none``: a plain subprocess in a new session (process-group kill); the audit hook below is the only guard
-  against the network, writes and signals.
+Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak, ``ERROR`` when
+code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak`` forces one):
 
-In every mode the child is ``python -I -S -B`` (no site, no user env) with a scrubbed environment (``PATH``,
-``HOME`` and ``TMPDIR`` = a fresh temporary directory removed afterwards, ``LANG``), stdin/out/err pipes read
-by the parent up to a byte cap (then the run is killed), a wall-clock deadline (then the whole namespace or
-process group is killed), and resource limits set by a trusted bootstrap before any candidate code runs
-(``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0).
-The limits are set in the child rather than in a ``preexec_fn`` because rewards run in a thread pool and
-``preexec_fn`` is not thread-safe. The bootstrap then installs a ``sys.addaudithook`` guard (it cannot be
-removed by later code) that refuses sockets, ``ctypes``, process creation, signals to other processes,
-resource-limit changes, links, writes/renames/removals outside the run directory, and reads of other
-processes' ``/proc`` entries. The audit hook is a second layer: C extensions could bypass it, which is why
-``ctypes`` and ``_posixsubprocess`` are refused and why the OS-level layer above matters. Without a
-``preexec_fn`` or ``user=``, CPython can also start the child with ``vfork``, which stays cheap when the parent
-is a trainer holding gigabytes of memory.
+* ``root`` (the trainer runs as root; ``bwrap`` from bubblewrap and util-linux ``setpriv`` installed): each run
+  drops to a private unprivileged uid from a per-process pool (so ``RLIMIT_NPROC`` is per run and nothing it does
+  is done as root), then bubblewrap gives it new user, mount, PID, network, IPC, UTS and cgroup namespaces and
+  forbids nested user namespaces.
+* ``userns`` (not root, unprivileged user namespaces allowed, ``bwrap`` installed): the same namespaces, as the
+  caller's uid.
+* ``weak`` (no bubblewrap or no namespaces): only with ``VPO_SANDBOX_ALLOW_WEAK_ISOLATION=1``. A plain subprocess in
+  a new session with the rlimits and the audit hook below: the candidate can read everything the trainer's user
+  can read (reference solutions, data) and write wherever that user can. Without the flag the sandbox refuses
+  (:class:`SandboxUnavailable`, whose message says how to install bubblewrap or opt in).
 
-Design tradeoff (code reward): one process per candidate, not per test. Starting an interpreter (~20-40 ms)
-dominates the cost, so serving all tests of a candidate from one process is several times faster than one
-process per test. The price is that tests share the candidate's process state (as in HumanEval's own
-``check``): a candidate could, say, memoize across tests, which cannot forge a verdict since the verdicts are
-computed in the parent. Per-test isolation where it matters is kept: a test that kills, exits, hangs or floods
+What the candidate sees in ``root``/``userns``: a root filesystem that is an empty read-only tmpfs holding only the
+interpreter (read-only: the executable, its standard library with ``site-packages`` hidden, and the shared
+libraries ``ldd`` reports for it and its extension modules), a fresh ``/proc`` of its own PID namespace, a minimal
+``/dev`` (read-only), its run directory ``/sandbox`` (a tmpfs of ``max_disk_mb``, default 32 MiB, the only
+writable place; ``/tmp`` and ``/var/tmp`` point to it; it vanishes with the run), and the bootstrap's two modules.
+Nothing of the project, its data, its virtual environment, other packages, ``/etc``, ``/root`` or the host's
+``/tmp``/``/dev/shm``. The network namespace has only its own loopback interface; with no host path mounted and abstract
+sockets scoped to the namespace, no Unix socket outside is reachable either. No third-party package is available
+to candidates (none of the built-in tasks needs one). When the trainer's interpreter is not readable by the
+private uid (a pyenv under ``/root``), the first of ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
+
+In every mode the child is ``python -I -S -B -c "import _child; _child.main()"`` (the bootstrap in
+:mod:`._child` and :mod:`._codec`, copied into the sandbox; no site, no user environment, nothing of the parent's
+state) with a scrubbed environment (``PATH``, ``HOME`` = ``TMPDIR`` = the run directory, ``LANG``), stdin/out/err
+pipes read by the parent up to a byte cap (then the run is killed), a wall-clock deadline (then its PID namespace,
+or in weak mode its process group, is killed), and limits set by the bootstrap before any candidate code runs
+(``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0). The
+bootstrap then installs a ``sys.addaudithook`` guard as defence in depth only (nothing relies on it): it refuses
+sockets, ``ctypes``, process creation, signals to other processes, writes outside the run directory and other
+processes' ``/proc``, and binds all its state when installed, so rebinding globals does not switch it off.
+
+What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``; answers the
+trainer does decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would
+make building a set or dict quadratic).
+
+Known gaps: no seccomp filter (the candidate can make any system call its namespaces allow, so a kernel bug is the
+remaining way out); CPU time is bounded per process (``RLIMIT_CPU``) and by the deadline, not by a cgroup; memory
+by ``RLIMIT_AS`` per process (times ``max_procs``) plus the run directory's tmpfs.
+
+Design tradeoff (code reward): one candidate process per candidate, not per test (starting a sandbox dominates the
+cost), plus one checker process. Tests share the candidate's process state (as in HumanEval's own ``check``),
+which cannot forge a verdict since verdicts are computed in the checker. A test that kills, exits, hangs or floods
 its process fails alone and the next test gets a fresh process.
 """
 

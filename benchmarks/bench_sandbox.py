@@ -5,9 +5,10 @@
 parallel sandboxes (default: the CPU count), then times ``run_python("pass")``. Two sandbox processes per
 candidate: the candidate's program and the checker that runs its tests; the parent relays calls between them.
 
-Measured on the shared 2-core dev machine (load average 13-15 from other jobs, so absolute numbers are low; the two
-runs were back to back): before the kernel isolation (unshare namespaces, tests checked in the trainer) 56
-candidate-test executions/s and 10.3 bare runs/s; after (bubblewrap, tests in a sandboxed checker) 22 and 9.3.
+Measured on the shared 2-core dev machine (load average 14-15 from other jobs, so absolute numbers are low; the two
+runs were back to back): before the kernel isolation (unshare namespaces, tests checked in the trainer) 63
+candidate-test executions/s and 12.2 bare runs/s; after (bubblewrap, tests in a sandboxed checker started side by
+side with the candidate) 32 and 7.1: about half the throughput, the price of the second process per candidate.
 """
 
 from __future__ import annotations

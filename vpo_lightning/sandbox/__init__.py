@@ -678,6 +678,7 @@ class FunctionSession:
         self.starts = 0
         self._child: _Child | None = None
         self._pump: _Pump | None = None
+        self._ready = False
 
     def _stop(self, grace_s: float = 0.0) -> None:
         if self._pump is not None:
@@ -685,13 +686,22 @@ class FunctionSession:
         if self._child is not None:
             self._child.close(grace_s)
         self._child = self._pump = None
+        self._ready = False
+
+    def prestart(self) -> None:
+        """Start the process now without waiting for it to load (so several sessions start concurrently)."""
+        if self._child is None and self.load_error is None:
+            self.starts += 1
+            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True)
+            self._pump = _Pump(self._child, self.limits.max_output_bytes)
+            self._ready = False
 
     def _start(self, deadline: float) -> None:
-        self.starts += 1
-        self._child = _Child(self.program, self.limits, "serve", merge_stderr=True)
-        self._pump = _Pump(self._child, self.limits.max_output_bytes)
+        self.prestart()
+        assert self._pump is not None
         got = self._pump.run(deadline, self.max_message_bytes)
         if got == _READY:
+            self._ready = True
             return
         self._stop()
         msg = _decode(got) if isinstance(got, bytes) and len(got) <= 4096 else None
@@ -723,7 +733,7 @@ class FunctionSession:
         a request from one sandbox to another without decoding it here."""
         if self.load_error is not None:
             raise SandboxCallError("load", self.load_error)
-        if self._child is None:
+        if not self._ready:
             self._start(deadline)
         assert self._pump is not None
         self._pump.send(len(request).to_bytes(4, "big") + request)

@@ -296,6 +296,8 @@ def run_tests(
             except SandboxCallError as e:
                 return json.dumps(["err", str(e)[:200]]).encode()
 
+        checker.prestart()  # both processes start side by side
+        session.prestart()
         for i, test in enumerate(tests):
             deadline[0] = min(time.monotonic() + test_timeout_s, end)
             try:  # the checker gets a little longer than the candidate, so a candidate timeout fails only the test

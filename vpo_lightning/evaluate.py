@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from vpo_lightning.runs import add_run_args, find_config, known, load_config, load_model, pick_device
-from vpo_lightning.tools import report_error
+from vpo_lightning.tools import run_command
 
 log = logging.getLogger(__name__)
 
@@ -427,17 +427,14 @@ def run(args: argparse.Namespace) -> Path:
     return out
 
 
+def summary(report: dict[str, Any]) -> str:
+    """The one-line result of ``vpo eval``."""
+    agg, n = report["aggregate"], report["n"]
+    return (f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "
+            f"pass@{n} {agg['pass_at_k'][-1]:.3f}  diversity {agg['pairwise_l1_diversity']:.3f}  "
+            f"E_w best {agg['expected_best_weighted']:.3f}  ({report['num_prompts']} prompts, {agg['time_s']:.0f}s)")
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo eval``."""
-    args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        return report_error("vpo eval", err)
-    report = json.loads((out / "eval.json").read_text())
-    agg, n = report["aggregate"], report["n"]
-    print(f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "
-          f"pass@{n} {agg['pass_at_k'][-1]:.3f}  diversity {agg['pairwise_l1_diversity']:.3f}  "
-          f"E_w best {agg['expected_best_weighted']:.3f}  ({report['num_prompts']} prompts, {agg['time_s']:.0f}s)")
-    print(f"wrote {out / 'eval.json'}")
-    return 0
+    return run_command("vpo eval", build_parser().parse_args(argv), run, "eval.json", summary)

@@ -230,6 +230,38 @@ def test_fewer_prompts_than_a_batch(tmp_path):
         PromptDataModule(train_files=[str(path)], batch_size=2).setup("fit")
 
 
+def test_data_path_that_is_a_directory_says_so(tmp_path, capsys):
+    folder = tmp_path / "tooluse"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(GOOD)
+    msg = _error(_base(folder), capsys)
+    assert f"data file '{folder}' is a directory" in msg and "does not exist" not in msg
+    assert "train.jsonl" in msg  # the JSONL files inside, as the fix
+
+
+# ---------------------------------------------------------------------------------------- YAML syntax errors
+
+
+@pytest.mark.parametrize(("text", "line", "expected"), [
+    ("trainer:\n  max_steps: [1\n", 3, "expected ',' or ']'"),
+    ("trainer:\n\tmax_steps: 1\n", 2, "a tab character: YAML indents with spaces"),
+    ("trainer:\n  max_steps: 1\n  max_steps: 2\n", 3, "key 'max_steps' is given twice (first on line 2)"),
+    ("trainer: {max_steps: 1\n", 2, "expected ',' or '}'"),
+])
+def test_bad_yaml_names_the_file_and_line(text, line, expected, tmp_path, capsys):
+    path = tmp_path / "my run.yaml"
+    path.write_text(text)
+    msg = _error([*_base(), "--config", str(path)], capsys)
+    assert f"config file {str(path)!r}, line {line}" in msg, msg
+    assert expected in msg, msg
+    assert "<unicode string>" not in msg and "<file>" not in msg
+
+
+def test_missing_config_file_is_named(tmp_path, capsys):
+    msg = _error(["fit", "--config", str(tmp_path / "nope.yaml")], capsys)
+    assert f"config file {str(tmp_path / 'nope.yaml')!r} does not exist" in msg, msg
+
+
 # ------------------------------------------------------------------------------------------ models, machines
 
 

@@ -33,14 +33,28 @@ def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
+# What a normal run must not print: Lightning lines with nothing to act on (issue: a user's first hour).
+NOISE = ("Tip:", "litlogger", "TPU available", "GPU available: False", "was configured so",
+         "exists and is not empty", "LeafSpec", "Warning", "warn(")
+
+
+def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
     run = _fit(tmp_path, monkeypatch)
+    printed = "".join(capfd.readouterr())
+    assert "reward: " in printed and "parsed: " in printed and "tok/s: " in printed  # the bar, not cut at 80
+    assert not [n for n in NOISE if n in printed], [line for line in printed.splitlines() if any(n in line
+                                                                                                for n in NOISE)]
     assert (run / "config.yaml").is_file() and (run / "last.ckpt").is_file()
     scalars = _scalars(run)
     for tag in ("train/reward/format", "train/reward/arg_value", "train/reward/set", "train/kl", "train/clip_frac",
                 "train/entropy", "train/frac_zero_std_groups", "train/chains/parse_rate", "train/rollout/tokens_per_s",
-                "train/peak_rss_gb", "train/diversity/within_group", "val/reward/format"):
+                "train/peak_rss_gb", "train/diversity/within_group", "val/reward/format", "train/reward/all/mean",
+                "train/reward/parsed/mean", "train/reward/all/format", "train/chains/candidate_parse_rate"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
+    assert "train/reward/mean" not in scalars  # renamed: its name did not say it skipped unparsed candidates
+    for (_, every), (_, parsed), (_, rate) in zip(scalars["train/reward/all/mean"], scalars["train/reward/parsed/mean"],
+                                                  scalars["train/chains/candidate_parse_rate"]):
+        assert every == pytest.approx(parsed * rate, abs=1e-6)
     ckpt = torch.load(run / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 2
     assert all("lora_" in k for k in ckpt["state_dict"])  # only the adapter is stored

@@ -16,6 +16,7 @@ from vpo_lightning.metrics import (
     pareto_fraction,
     pass_at_k,
     pass_at_k_curve,
+    reward_means,
     solved,
     within_chain_diversity,
 )
@@ -124,6 +125,24 @@ def test_pareto_fraction_ties_do_not_dominate():
 def test_bad_input_raises_value_error_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_reward_means_say_what_they_average():
+    """Two chains of m=2 candidates, D=2: only 2 of the 4 slots parsed (the garbage in absent slots is ignored)."""
+    rewards = torch.tensor([[[1.0, 0.5], [9.0, 9.0]],
+                            [[0.0, 1.0], [9.0, 9.0]]])  # [chains=2, m=2, D=2]
+    mask = torch.tensor([[True, False], [True, False]])  # [2, 2]
+    out = reward_means(rewards, mask, ["a", "b"])
+    assert out == {
+        "reward/a": 0.5, "reward/all/a": 0.25,  # (1 + 0) / 2 parsed; / 4 slots
+        "reward/b": 0.75, "reward/all/b": 0.375,  # (0.5 + 1) / 2; / 4
+        "reward/parsed/mean": 0.625, "reward/all/mean": 0.3125,  # (0.75 + 0.5) / 2; / 4
+        "chains/candidate_parse_rate": 0.5,
+    }
+    none = reward_means(torch.zeros(1, 3, 2), torch.zeros(1, 3, dtype=torch.bool), ["a", "b"])
+    assert none["reward/all/mean"] == none["reward/parsed/mean"] == none["chains/candidate_parse_rate"] == 0.0
+    with pytest.raises(ValueError, match="must be"):
+        reward_means(torch.zeros(2, 3, 2), torch.ones(2, 2, dtype=torch.bool), ["a", "b"])
 
 
 def test_best_at_k_with_f_weights():

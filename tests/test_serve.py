@@ -179,6 +179,24 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 9000}]}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model"),
     ("POST", "/v1/chat/completions", "x" * 30_000, 413, None),
+    # client mistakes that used to get 500 (or pass unchecked): each is a 400 naming the parameter
+    ("POST", "/v1/chat/completions", {"model": ["vpo"], "messages": MSG}, 400, "model"),
+    ("POST", "/v1/chat/completions", {"model": {"id": "vpo"}, "messages": MSG}, 400, "model"),
+    ("POST", "/v1/chat/completions", '{"messages": ' + "[" * 5000 + "]" * 5000 + "}", 400, "nesting_too_deep"),
+    ("POST", "/v1/chat/completions", '{"user": ' + "{\"a\": " * 200 + "1" + "}" * 200 + "}", 400,
+     "nesting_too_deep"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "max_tokens": 1' + "0" * 5000 + "}", 400, "number_too_large"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "logit_bias": {"1": ' + "9" * 40 + "}}", 400,
+     "number_too_large"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "seed": 2**70}, 400, "seed"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "seed": -(2**63) - 1}, 400, "seed"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "top_k": 2**40}, 400, "top_k"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "temperature": NaN}', 400, "invalid_number"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "top_p": NaN}', 400, "invalid_number"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "temperature": Infinity}', 400, "invalid_number"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "top_p": -Infinity}', 400, "invalid_number"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "temperature": 1e999}', 400, "invalid_number"),
+    ("POST", "/v1/chat/completions", '{"messages": [], "presence_penalty": NaN}', 400, "invalid_number"),
     ("GET", "/v1/nothing", None, 404, None),
     ("POST", "/v1/completions", {"prompt": "x"}, 404, None),
     ("GET", "/v1/chat/completions", None, 405, None),
@@ -196,7 +214,7 @@ def test_bad_requests_get_4xx(server, method, path, body, status, param):
     error = payload["error"]
     assert isinstance(error["message"], str) and error["message"] and "type" in error
     if param is not None:
-        assert error["param"] == param
+        assert param in (error["param"], error["code"]), error
     if status == 405:
         assert headers.get("Allow")
 
@@ -222,6 +240,74 @@ def test_server_survives_errors_and_limits(server, client):
     assert len(r.choices) == 1 and server.generator.stats["errors"] == 0
 
 
+def test_stats_count_client_and_server_errors_apart(server):
+    """/stats counts 4xx (client mistakes) and 5xx (server failures) separately; a client's mistake (a seed out of
+    range) is a 4xx and never reaches the batching worker's error counter."""
+    before = _raw(server, "GET", "/stats")[1]
+    assert {"http_4xx", "http_5xx", "errors"} <= set(before)
+    assert _raw(server, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "seed": 2**70}))[0] == 400
+    assert _raw(server, "GET", "/v1/nothing")[0] == 404
+    after = _raw(server, "GET", "/stats")[1]
+    assert after["http_4xx"] - before["http_4xx"] == 2
+    assert after["http_5xx"] == before["http_5xx"] and after["errors"] == before["errors"]
+
+
+def test_generation_failure_is_a_5xx_in_stats(server):
+    """A failing generate call (here: the model raises) answers 500 and is counted as a 5xx and a worker error."""
+    gen = server.generator
+    srv = build_server(gen.model, gen.tokenizer, base_name="tiny-llama", adapter_name="vpo",
+                       settings=ServeSettings(max_n=4, max_batch_size=16, max_tokens_limit=8), port=0)
+
+    def broken(jobs):
+        raise RuntimeError("out of memory (simulated)")
+
+    srv.generator.run_batch = broken
+    srv.start()
+    try:
+        status, body, _ = _raw(srv, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "max_tokens": 2}))
+        assert status == 500 and body["error"]["type"] == "server_error"
+        stats = _raw(srv, "GET", "/stats")[1]
+        assert stats["http_5xx"] == 1 and stats["http_4xx"] == 0 and stats["errors"] == 1
+    finally:
+        srv.close()
+
+
+def test_idle_connections_cannot_lock_out_other_clients(server):
+    """More idle (and half-sent) connections than the connection cap, all on loopback: a new client is still
+    answered at once, because idle connections are closed, oldest first, to make room (and time out on their own).
+    """
+    import socket
+    import time
+
+    gen = server.generator
+    cap = 4
+    srv = build_server(gen.model, gen.tokenizer, base_name="tiny-llama", adapter_name="vpo",
+                       settings=ServeSettings(max_connections=cap, idle_timeout_s=30.0), port=0).start()
+    port = srv.server_address[1]
+    hogs: list[socket.socket] = []
+    try:
+        for i in range(2 * cap + 2):  # bounded: twice the cap, plus two
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if i % 2:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never finished (slowloris)
+            hogs.append(sock)
+        t0 = time.monotonic()
+        for _ in range(3):  # three clients in a row, each served while the hogs stay connected
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            resp.read()
+            conn.close()
+        assert time.monotonic() - t0 < 10  # not after an idle timeout
+        stats = _raw(srv, "GET", "/stats")[1]
+        assert stats["connections_evicted"] >= 1 and stats["connections_open"] <= cap
+    finally:
+        for sock in hogs:
+            sock.close()
+        srv.close()
+
+
 def test_close_ends_keep_alive_connections(server):
     """A client that keeps its connection open must not leave a handler thread alive after close(): daemon threads
     still running at interpreter exit get killed inside torch calls (std::terminate, exit status 134)."""
@@ -237,6 +323,55 @@ def test_close_ends_keep_alive_connections(server):
     srv.close()
     assert not any(t.is_alive() for t in handlers)
     conn.close()
+
+
+def test_decode_json_limits():
+    from vpo_lightning.serve import APIError, decode_json
+    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}') == 3  # brackets inside strings do not count
+    assert json_depth("[]") == 1 and json_depth('"x"') == 0
+    assert decode_json(b'{"seed": -12, "t": 0.5, "s": "NaN"}') == {"seed": -12, "t": 0.5, "s": "NaN"}
+    assert decode_json(("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH).encode())  # the limit itself is accepted
+    for raw, code in [(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "nesting_too_deep"),
+                      (b"[" + b"1" * 33 + b"]", "number_too_large"), (b"[-Infinity]", "invalid_number"),
+                      (b"[-1e400]", "invalid_number")]:
+        with pytest.raises(APIError) as err:
+            decode_json(raw)
+        assert (err.value.status, err.value.code) == (400, code)
+
+
+def test_any_json_in_any_field_is_a_4xx_or_valid():
+    """Hypothesis: arbitrary JSON values in every field the server reads give a valid request or an APIError with a
+    4xx status, never another exception (which the server would answer with 500)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from vpo_lightning.serve import APIError, parse_chat_request
+
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(
+        max_size=5)
+    value = st.recursive(leaf, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids,
+                                                                                          max_size=3), max_leaves=8)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | value,
+                                     "content": st.text(max_size=5) | value})
+    fields = ["model", "stream", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "ignore_eos", "stop", "seed"]
+    body = st.fixed_dictionaries({"messages": st.lists(message, max_size=2) | value},
+                                 optional={name: value for name in fields})
+    models = {"base": False, "vpo": True}
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(body | value)
+    def check(raw):
+        try:
+            request = parse_chat_request(raw, ServeSettings(max_n=4, max_batch_size=16), models, "vpo")
+        except APIError as err:
+            assert 400 <= err.status < 500
+        else:
+            assert request.model in models and 1 <= request.n <= 4 and request.messages
+
+    check()
 
 
 def test_parse_messages_and_settings():

@@ -22,7 +22,7 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vpo_lightning import config_check
+from vpo_lightning import config_check, progress
 from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
@@ -37,8 +37,12 @@ _QUIET = (  # Lightning warnings that do not apply to this app's design
     ".*IterableDataset. has .__len__. defined.*",  # one process, position-aware stream
     ".*litlogger.*",
     ".*is_gradient_checkpointing.*",
+    ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; see below
+    ".*LeafSpec.* is deprecated.*",  # inside Lightning's pytree helper, nothing the user can change
+    ".*resuming from a checkpoint that ended before the epoch ended.*",  # the datamodule resumes at its position
 )
 _SUBCOMMANDS_WITH_RUN = ("fit", "validate", "test")
+log = logging.getLogger("vpo_lightning.cli")
 
 
 class VPOCLI(LightningCLI):
@@ -98,6 +102,8 @@ class VPOCLI(LightningCLI):
                 lg["init_args"]["version"] = ""
         if not cfg["checkpoint"].get("dirpath"):
             cfg["checkpoint"]["dirpath"] = run_dir
+        if self.subcommand == "fit" and (warning := progress.earlier_run_warning(run_dir, bool(cfg.get("ckpt_path")))):
+            log.warning(warning)
         if self.subcommand == "fit" and cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _last_checkpoint(run_dir)
 
@@ -120,6 +126,7 @@ def main(args: list[str] | None = None) -> Any:
     for pattern in _QUIET:
         warnings.filterwarnings("ignore", message=pattern)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    progress.quiet_lightning_logs()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tune_malloc()  # keep freed logits-sized buffers in the heap; VPO_MALLOC_TUNING=0 turns it off
     argv = sys.argv[1:] if args is None else args

@@ -132,15 +132,84 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
     return found
 
 
+def _yaml_loader() -> type:
+    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    line = key_node.start_mark.line + 1
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, line: int) -> None:
+        super().__init__(f"key {key!r} is given twice (first on line {first})")
+        self.key, self.first, self.line = key, first, line
+
+
+def yaml_file_problem(path: str | Path) -> str | None:
+    """One line naming ``path`` (and the line) when it is not a readable YAML file, else None.
+
+    Catches what jsonargparse reports as ``in "<unicode string>", line 1``: syntax errors, tab indentation, a key
+    given twice, a missing file or a directory.
+    """
+    import yaml
+
+    path = Path(path)
+    name = repr(str(path))
+    if path.is_dir():
+        return f"config file {name} is a directory; give a YAML file (e.g. configs/tooluse.yaml)"
+    if not path.is_file():
+        return f"config file {name} does not exist; check the path (the shipped configs are in configs/)"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        return f"config file {name} is not UTF-8 text (byte {err.object[err.start]:#04x}); save it as UTF-8"
+    except OSError as err:
+        return f"config file {name} cannot be read: {err.strerror or err}"
+    try:
+        yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as err:
+        return f"config file {name}, line {err.line}: {err}; keep one of them"
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"config file {name}, line {mark.line + 1}, column {mark.column + 1}" if mark else f"config file {name}"
+        problem = err.problem or "invalid YAML"
+        lines = text.splitlines()
+        at = lines[mark.line][mark.column : mark.column + 1] if mark and mark.line < len(lines) else ""
+        if at == "\t" or "'\\t'" in problem:
+            return f"{where}: a tab character: YAML indents with spaces; replace the tab with spaces"
+        context = ""
+        if err.context and err.context_mark is not None and err.context_mark is not mark:
+            context = f" ({err.context}, line {err.context_mark.line + 1}, column {err.context_mark.column + 1})"
+        return f"{where}: {problem}{context}; fix the YAML syntax there"
+    except yaml.YAMLError as err:
+        return f"config file {name}: not valid YAML ({' '.join(str(err).split())})"
+    return None
+
+
 def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Sequence[str], prog: str = "vpo",
                         subcommands: Sequence[str] = ()) -> str:
-    """A short message for a failed parse: unknown keys with suggestions when there are any, else jsonargparse's
-    own message; always ends with where to look for the valid keys."""
+    """A short message for a failed parse: a config file that is not valid YAML (named, with the line), unknown
+    keys with suggestions when there are any, else jsonargparse's own message; always ends with where to look for
+    the valid keys."""
     lines: list[str] = []
     if argv and not argv[0].startswith("-") and subcommands and argv[0] not in subcommands:
         close = difflib.get_close_matches(argv[0], list(subcommands), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         lines.append(f"unknown command {argv[0]!r}.{hint} Commands: {', '.join(subcommands)}")
+    elif bad_files := [p for p in map(yaml_file_problem, config_paths(argv)) if p]:
+        lines += bad_files
     elif subcommand_parser is not None:
         lines += [u.message() for u in find_unknown_keys(subcommand_parser, argv[1:])]
     if not lines:

@@ -43,6 +43,10 @@ def _check_record(record: Any, where: str) -> None:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read and validate a JSONL prompt file; errors name the file, the line and the problem."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.jsonl"))[:4]
+        hint = f"name a file inside it ({', '.join(inside)})" if inside else "name a JSONL file (one record per line)"
+        raise ValueError(f"data file {str(path)!r} is a directory: {hint} in data.train_files / data.val_files")
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist (check data.train_files / data.val_files)")
     records = []

@@ -24,6 +24,7 @@ __all__ = [
     "pareto_fraction",
     "pass_at_k",
     "pass_at_k_curve",
+    "reward_means",
     "solved",
     "within_chain_diversity",
 ]
@@ -217,3 +218,35 @@ def pareto_fraction(pool: Pool, mask: Tensor | None = None) -> float:
     size = present.sum(dim=1)  # [P]
     per_prompt = front.sum(dim=1) / size.clamp_min(1)  # [P]
     return float(per_prompt[size > 0].mean()) if bool((size > 0).any()) else 0.0
+
+
+def reward_means(rewards: Tensor, mask: Tensor, dim_names: Sequence[str]) -> dict[str, float]:
+    """Training-time reward averages under names that say what they average.
+
+    ``reward/all/mean`` and ``reward/all/<dim>`` average every candidate slot of every chain, a candidate that did
+    not parse counting 0 (what the model earns); ``reward/parsed/mean`` and ``reward/<dim>`` average only the parsed
+    candidates (how good an answer is once it parses); ``chains/candidate_parse_rate`` is the fraction of candidate
+    slots that parsed, so ``all = parsed x candidate_parse_rate``.
+
+    Args:
+        rewards: ``[..., m, D]`` reward vectors (any value where ``mask`` is False: it is ignored).
+        mask: ``[..., m]`` True where the candidate parsed.
+        dim_names: the D dimension names.
+    """
+    if rewards.shape[:-1] != mask.shape or rewards.shape[-1] != len(dim_names):
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [..., m, D] with mask {tuple(mask.shape)} = "
+                         f"[..., m] and D = {len(dim_names)} dim_names")
+    present = mask.to(rewards.dtype)  # [..., m]
+    kept = rewards * present[..., None]  # [..., m, D] absent candidates -> 0
+    slots = max(present.numel(), 1)
+    n_parsed = float(present.sum().clamp(min=1))
+    per_dim = kept.reshape(-1, rewards.shape[-1]).sum(0)  # [D]
+    out: dict[str, float] = {}
+    for d, name in enumerate(dim_names):
+        out[f"reward/{name}"] = float(per_dim[d]) / n_parsed
+        out[f"reward/all/{name}"] = float(per_dim[d]) / slots
+    total = float(kept.mean(-1).sum())
+    out["reward/parsed/mean"] = total / n_parsed
+    out["reward/all/mean"] = total / slots
+    out["chains/candidate_parse_rate"] = float(present.sum()) / slots
+    return out

@@ -298,7 +298,9 @@ class VPOModule(L.LightningModule):
         if torch.cuda.is_available():
             logged["train/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self.log_dict(logged, on_step=True, batch_size=1, sync_dist=self.trainer.world_size > 1)
-        prog = {"reward": ro.metrics.get("reward/mean", 0.0), "tok/s": ro.metrics.get("rollout/tokens_per_s", 0.0)}
+        prog = {"reward": ro.metrics.get("reward/all/mean", 0.0),  # every candidate, unparsed ones count 0
+                "parsed": ro.metrics.get("chains/candidate_parse_rate", 0.0),
+                "tok/s": ro.metrics.get("rollout/tokens_per_s", 0.0)}
         self.log_dict(prog, prog_bar=True, logger=False, batch_size=1)
 
     def _guard(self, ok: bool, stats: dict[str, float]) -> None:

@@ -1,7 +1,19 @@
-"""A progress bar that counts optimizer steps toward ``trainer.max_steps`` (RL runs have no meaningful epochs)."""
+"""What a run prints: a progress bar over optimizer steps, and Lightning's messages that tell the user nothing.
+
+:class:`StepProgressBar` counts optimizer steps toward ``trainer.max_steps`` (RL runs have no meaningful epochs) and
+shows ``reward`` (the mean over every candidate, unparsed ones scoring 0), ``parsed`` (the fraction of candidates
+that parsed) and ``tok/s``. :func:`quiet_lightning_logs` drops Lightning's info lines that describe hardware the run
+does not use, advertise products or echo the config back; :func:`earlier_run_warning` replaces Lightning's
+"Checkpoint directory ... exists and is not empty" (always true here: ``config.yaml`` is written there first) with a
+line that says which earlier checkpoints would be overwritten and what to do.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -11,10 +23,33 @@ from lightning.pytorch.callbacks import RichProgressBar
 class StepProgressBar(RichProgressBar):
     """Rich progress bar over the whole run: step / max_steps, reward, tokens/s, elapsed and ETA."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        console = dict(kwargs.pop("console_kwargs", None) or {})
+        if not sys.stdout.isatty():  # a file or a pipe: Rich would cut the line at 80 columns, metrics first
+            console.setdefault("width", 120)
+        super().__init__(*args, console_kwargs=console, **kwargs)
+
     @property
     def total_train_batches(self) -> int | float:
         max_steps = self.trainer.max_steps
         return max_steps if max_steps and max_steps > 0 else super().total_train_batches
+
+    def configure_columns(self, trainer: L.Trainer) -> list:
+        """Lightning's columns with a shorter bar and no it/s (the ETA says it), leaving room for the metrics."""
+        from lightning.pytorch.callbacks.progress.rich_progress import (
+            BatchesProcessedColumn,
+            CustomBarColumn,
+            CustomTimeColumn,
+        )
+        from rich.progress import TextColumn
+
+        return [
+            TextColumn("[progress.description]{task.description}"),
+            CustomBarColumn(bar_width=16, complete_style=self.theme.progress_bar,
+                            finished_style=self.theme.progress_bar_finished, pulse_style=self.theme.progress_bar_pulse),
+            BatchesProcessedColumn(style=self.theme.batch_progress),
+            CustomTimeColumn(style=self.theme.time),
+        ]
 
     def _get_train_description(self, current_epoch: int) -> str:
         return "Training"
@@ -29,3 +64,47 @@ class StepProgressBar(RichProgressBar):
             self._initialize_train_progress_bar_id()
         self._update(self.train_progress_bar_id, trainer.global_step)
         self._update_metrics(trainer, pl_module)
+
+
+# Lightning info lines with nothing for the user to act on (a GPU that exists but is unused is kept: that one is).
+NOISE = (
+    r"^GPU available: False, used: False",
+    r"^(TPU|HPU|IPU) available: False",
+    r"Tip: For seamless",  # advertisements for Lightning's cloud products
+    r"^`Trainer\(\w+=1(\.0)?\)` was configured so",  # echoes the config the user wrote
+)
+
+
+class NoiseFilter(logging.Filter):
+    """Drops log records whose message matches one of ``patterns`` (regular expressions)."""
+
+    def __init__(self, patterns: tuple[str, ...] = NOISE) -> None:
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def quiet_lightning_logs() -> None:
+    """Install :class:`NoiseFilter` on the handlers that print Lightning's messages (its own, and the root's)."""
+    noise = NoiseFilter()
+    for name in ("", "lightning.pytorch", "lightning.fabric", "lightning"):
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            if not any(isinstance(f, NoiseFilter) for f in handler.filters):
+                handler.addFilter(noise)
+        if name and not any(isinstance(f, NoiseFilter) for f in logger.filters):
+            logger.addFilter(noise)
+
+
+def earlier_run_warning(run_dir: str | Path, resuming: bool) -> str | None:
+    """A one-line warning when ``run_dir`` holds checkpoints of an earlier run that a fresh run would overwrite."""
+    if resuming:
+        return None
+    found = sorted(p.name for p in Path(run_dir).glob("*.ckpt"))
+    if not found:
+        return None
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"{run_dir} already holds checkpoints of an earlier run ({shown}); this run overwrites them. "
+            "Resume with --ckpt_path last, or start a separate run with --run_name NAME.")

@@ -226,12 +226,8 @@ class RolloutCallback(L.Callback):
                  gen: Generation, gen_time: float) -> dict[str, float]:
         B, G, m, D = rewards.shape
         present = mask.float()  # [B, G, m]
-        n_present = present.sum().clamp(min=1)
-        out: dict[str, float] = {}
-        for d, name in enumerate(self.reward_vector.dim_names):
-            out[f"reward/{name}"] = float((rewards[..., d] * present).sum() / n_present)
+        out = metrics.reward_means(rewards, mask, self.reward_vector.dim_names)  # all candidates and parsed only
         f = rewards.mean(-1)  # [B, G, m] mean over dimensions
-        out["reward/mean"] = float((f * present).sum() / n_present)
         out["reward/best_in_chain"] = float(f.max(-1).values.mean())
         if weights is not None and self.estimator == "vpo":
             out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())

@@ -1,0 +1,29 @@
+"""``vpo serve``: an OpenAI-compatible chat-completions server with request batching, in three layers.
+
+- :mod:`~vpo_lightning.serve.protocol`: OpenAI's request and error shapes, limits (:class:`ServeSettings`) and
+  validation; every malformed request is a 4xx, without HTTP or a model.
+- :mod:`~vpo_lightning.serve.batching`: the worker thread that owns the model and batches queued requests with equal
+  sampling parameters into one ``generate`` call.
+- :mod:`~vpo_lightning.serve.server`: the HTTP front end (standard library ``ThreadingHTTPServer``: routes, the
+  connection cap with idle eviction, ``/stats``), building a server from a config, and the ``vpo serve`` command.
+  Its docstring gives the usage and why it is the standard library's server rather than FastAPI/uvicorn or LitServe.
+"""
+
+from vpo_lightning.serve.batching import BatchGenerator, Choice, Job, StopOnStrings
+from vpo_lightning.serve.protocol import (
+    APIError,
+    ChatRequest,
+    SamplingKey,
+    ServeSettings,
+    decode_json,
+    parse_chat_request,
+    parse_messages,
+    parse_stop,
+)
+from vpo_lightning.serve.server import Handler, OpenAIServer, build_parser, build_server, load_for_serving, main
+
+__all__ = [
+    "APIError", "BatchGenerator", "ChatRequest", "Choice", "Handler", "Job", "OpenAIServer", "SamplingKey",
+    "ServeSettings", "StopOnStrings", "build_parser", "build_server", "decode_json", "load_for_serving", "main",
+    "parse_chat_request", "parse_messages", "parse_stop",
+]

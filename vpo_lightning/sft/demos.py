@@ -322,7 +322,7 @@ def distances_to_exit(maze: Maze) -> dict[tuple[int, int], int]:
     return dist
 
 
-def random_walk(maze: Maze, rng: random.Random) -> list[str]:
+def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None) -> list[str]:
     """A random route from the start that reaches the exit within the budget.
 
     Each move is drawn uniformly among the moves into an open cell from which the exit is still reachable within
@@ -333,8 +333,10 @@ def random_walk(maze: Maze, rng: random.Random) -> list[str]:
     Why not better routes: the cold start teaches the answer format and the rules (stay on open cells, reach
     the exit within the budget), nothing about the gold-versus-diamond trade-off, so that whatever RL later
     learns about that trade-off is RL's doing and not the demonstrations'.
+
+    ``dist`` is :func:`distances_to_exit` of the maze when the caller has it already.
     """
-    dist = distances_to_exit(maze)
+    dist = distances_to_exit(maze) if dist is None else dist
     if maze.start not in dist or dist[maze.start] > maze.budget:
         return []
     n = len(maze.grid)
@@ -357,12 +359,13 @@ def maze_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> 
     (m = 1), and chains of m different random walks in ``<route_i>`` tags (records whose budget leaves fewer than
     m different walks in 50 draws get no chain)."""
     maze = Maze.from_dict(record["ground_truth"])
+    dist = distances_to_exit(maze)
     out = []
     for m in formats:
         rng = _rng(seed, record.get("id"), m)
         routes: list[str] = []
         for _ in range(50):
-            walk = " ".join(random_walk(maze, rng))
+            walk = " ".join(random_walk(maze, rng, dist))
             if walk and walk not in routes:
                 routes.append(walk)
             if len(routes) == m:

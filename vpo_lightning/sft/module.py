@@ -161,8 +161,8 @@ class SFTModule(L.LightningModule):
             "train/lr": sched.get_last_lr()[0],
         }, on_step=True, batch_size=1)
         self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
-
-    def on_train_batch_end(self, outputs: Any, batch: dict[str, Any], batch_idx: int) -> None:
+        # here, not in on_train_batch_end: checkpoint callbacks run before the module's batch-end hook, and the
+        # position they save must already count this batch
         dm = self.trainer.datamodule
         if dm is not None and hasattr(dm, "mark_consumed"):
             dm.mark_consumed(batch["position"])
@@ -188,6 +188,14 @@ class SFTModule(L.LightningModule):
         total = max(1, int(self.trainer.max_steps or 1)) if self._trainer is not None else 1
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """Set the learning rate from the schedule at the current step: a run resumed with another
+        ``trainer.max_steps`` follows the new schedule instead of the learning rate saved with the optimizer."""
+        o, sched = self.optim_settings, self.lr_schedulers()
+        factor = lr_factor(sched.last_epoch, o.warmup_steps, max(1, int(self.trainer.max_steps or 1)), o.min_lr_ratio)
+        for group, base in zip(self.optimizers().optimizer.param_groups, sched.base_lrs):
+            group["lr"] = base * factor
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep only trainable weights (the adapter, or all policy weights for full fine-tuning)."""

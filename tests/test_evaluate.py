@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from vpo_lightning import evaluate
+from vpo_lightning import evaluate, runs
 from vpo_lightning.cli import main as vpo
 from vpo_lightning.engines import Generation, TransformersEngine
 from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, wrap_lora
@@ -120,7 +120,7 @@ def test_ckpt_weights_load_into_the_lora_policy(tmp_path, tiny_model_dir):
     cfg = yaml.safe_load(_config(tmp_path).read_text())
     cfg["model"]["model"]["lora"] = {"r": 2, "alpha": 4}  # the checkpoint's own settings win
     args = evaluate.build_parser().parse_args(["--ckpt", str(run / "last.ckpt")])
-    model, settings, info = evaluate.load_model(cfg, args, torch.device("cpu"))
+    model, settings, info = runs.load_model(cfg, torch.device("cpu"), ckpt=args.ckpt, adapter=args.adapter)
     assert settings.lora.r == 4 and info["global_step"] == 5 and len(info["weights_sha256"]) == 64
     loaded = dict(model.named_parameters())
     for key, value in state.items():
@@ -130,11 +130,11 @@ def test_ckpt_weights_load_into_the_lora_policy(tmp_path, tiny_model_dir):
     torch.save({"state_dict": state, "global_step": 5}, run / "bare.ckpt")  # no hparams: the config's r=2 is wrong
     args = evaluate.build_parser().parse_args(["--ckpt", str(run / "bare.ckpt")])
     with pytest.raises(ValueError, match="do not fit"):
-        evaluate.load_model(cfg, args, torch.device("cpu"))
+        runs.load_model(cfg, torch.device("cpu"), ckpt=args.ckpt)
 
 
 def _gold_answer(record: dict) -> str:
-    from vpo_lightning.rewards.tooluse import gold_calls
+    from vpo_lightning.tasks.tooluse.reward import gold_calls
 
     calls = []
     for name, args in gold_calls(record):
@@ -149,7 +149,7 @@ def _gold_answer(record: dict) -> str:
 
 def _solvable_records(count: int) -> list[dict]:
     """Test records with gold calls whose first acceptable values score [1, 1, 1, 1]."""
-    from vpo_lightning.rewards.tooluse import tooluse_rewards
+    from vpo_lightning.tasks.tooluse.reward import tooluse_rewards
 
     out = []
     for line in (REPO / "data/tooluse/test.jsonl").read_text().splitlines():
@@ -216,5 +216,5 @@ def test_clear_errors(tmp_path, base_eval):
     assert evaluate.default_data_file({"data": {"train_files": ["d/train.jsonl"]}}, "test") == "d/test.jsonl"
     assert evaluate.default_data_file({"data": {"train_files": ["d/x.jsonl"], "val_files": ["d/v.jsonl"]}},
                                       "val") == "d/v.jsonl"
-    cfg = evaluate.load_config(Path(config), ["rollout.sampling.max_new_tokens=3", "rollout.estimator=grpo"])
+    cfg = runs.load_config(Path(config), ["rollout.sampling.max_new_tokens=3", "rollout.estimator=grpo"])
     assert cfg["rollout"]["sampling"]["max_new_tokens"] == 3 and cfg["rollout"]["estimator"] == "grpo"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,11 +62,20 @@ def test_full_finetune_loads_frozen_reference():
     assert all(p.requires_grad for p in policy.parameters())
 
 
-def test_qlora_cpu_has_4bit_layers_and_forward():
+@pytest.fixture(scope="module")
+def wide_tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama 64 wide (MLP 128): every layer fits bitsandbytes' CPU 4-bit tiles (64-input blocks, 32-row
+    tiles), unlike the 32-wide ``tiny-llama``."""
+    out = tmp_path_factory.mktemp("wide") / "tiny-llama-64"
+    models.build_tiny_model(out, hidden_size=64)
+    return out
+
+
+def test_qlora_cpu_has_4bit_layers_and_forward(wide_tiny_dir):
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
-    policy, _ = load_policy(ModelSettings(name="tiny-llama", load_in_4bit=True, bnb_compute_dtype="fp32",
+    policy, _ = load_policy(ModelSettings(name=str(wide_tiny_dir), load_in_4bit=True, bnb_compute_dtype="fp32",
                                           lora=LoraSettings(r=2)))
     four_bit = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(four_bit) == 14  # 7 projections x 2 layers
@@ -69,6 +83,31 @@ def test_qlora_cpu_has_4bit_layers_and_forward():
     assert out.shape[-1] == policy.config.vocab_size and torch.isfinite(out).all()
     out.sum().backward()
     assert any(p.grad is not None for n, p in policy.named_parameters() if "lora_" in n)
+
+
+def test_qlora_layers_fit_the_avx512_cpu_packing(wide_tiny_dir):
+    """bitsandbytes' AVX512-BF16 path repacks each 4-bit weight before its kernel runs; the repacking is plain torch,
+    so it runs (and is checked) on any CPU, including AVX2-only ones where the kernel itself is never used."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from bitsandbytes import functional
+
+    repack = getattr(functional, "_convert_weight_packed_for_cpu", None)
+    if repack is None:
+        pytest.skip("this bitsandbytes has no CPU weight packing")
+    base = models.load_base_model(ModelSettings(name=str(wide_tiny_dir), load_in_4bit=True, bnb_compute_dtype="fp32"))
+    layers = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        packed, state = repack(layer.weight.data, layer.weight.quant_state)
+        assert packed.shape == (layer.out_features, layer.in_features // 2)
+        assert state.absmax.shape == (layer.in_features // state.blocksize, layer.out_features)
+
+
+def test_qlora_refuses_layers_too_narrow_for_the_cpu_kernels():
+    pytest.importorskip("bitsandbytes")
+    narrow = r"layer 'model\.layers\.0\.self_attn\.q_proj' is 32 -> 32 wide.*multiples of 64"
+    with pytest.raises(ValueError, match=narrow):
+        models.load_base_model(ModelSettings(name="tiny-llama", load_in_4bit=True, bnb_compute_dtype="fp32"))
 
 
 @pytest.mark.slow
@@ -148,3 +187,47 @@ def test_activation_checkpointing_is_on_without_the_deprecated_call(lora):
     if flag is None:  # transformers before the rename
         flag = base.is_gradient_checkpointing
     assert flag is True
+
+
+def test_a_run_that_does_not_quantise_never_imports_bitsandbytes(tmp_path):
+    """peft imports bitsandbytes whenever it is installed; a LoRA run without 4-bit layers keeps it out (no start-up
+    cost, no bitsandbytes warnings), and a 4-bit load afterwards in the same process still gets its layers."""
+    pytest.importorskip("bitsandbytes")
+    wide = tmp_path / "wide"
+    script = f"""
+import sys
+from vpo_lightning import models
+models.load_policy(models.ModelSettings(name="tiny-llama", dtype="fp32", lora=models.LoraSettings(r=2)))
+print("after lora:", "bitsandbytes" in sys.modules)
+models.build_tiny_model(__import__("pathlib").Path({str(wide)!r}), hidden_size=64)
+q, _ = models.load_policy(models.ModelSettings(name={str(wide)!r}, load_in_4bit=True, bnb_compute_dtype="fp32",
+                                               lora=models.LoraSettings(r=2)))
+print("lora on 4-bit:", sorted({{type(m).__module__ for n, m in q.named_modules() if n.endswith("q_proj")}}))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "after lora: False" in out.stdout
+    assert "lora on 4-bit: ['peft.tuners.lora.bnb']" in out.stdout
+
+
+def test_offline_kernel_download_warning_is_dropped(caplog):
+    pytest.importorskip("bitsandbytes")
+    models._quantization_config(ModelSettings(name="tiny-llama", load_in_4bit=True))
+    bnb_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        bnb_log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s", "offline")
+        bnb_log.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
+
+
+@pytest.mark.parametrize(("native", "picked", "why"), [(True, "bfloat16", "computes bf16 natively"),
+                                                        (False, "float32", "no native bf16")])
+def test_auto_dtype_is_said_at_load(monkeypatch, caplog, native, picked, why):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    models._log_auto_dtype.cache_clear()
+    with caplog.at_level(logging.INFO, logger="vpo_lightning.models"):
+        base = models.load_base_model(ModelSettings(name="tiny-llama", dtype="auto"))
+    assert str(base.dtype) == f"torch.{picked}"
+    assert f"model.dtype=auto -> {picked}: " in caplog.text and why in caplog.text

@@ -14,6 +14,7 @@ from vpo_lightning.rollout import Rollout, build_rollout_tensors
 
 
 def _module(**optim) -> VPOModule:
+    torch.manual_seed(0)  # LoRA init and the adapter noise below: the same weights whatever ran before
     module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)),
                        optim=OptimSettings(**optim))
     module.configure_model()

@@ -91,10 +91,10 @@ def test_goal_conditioned_shows_weights_and_random_weight_does_not(module):
 
 def test_weights_are_keyed_by_step_and_prompt_not_by_batch_layout():
     cb = RolloutCallback(rewards=["format", "tool_name"], estimator="vpo", num_weights=5)
-    both = cb._weights([10, 11], step=7)  # [2, 5, 2]
-    alone = cb._weights([11], step=7)
+    both = cb.protocol.step_weights([10, 11], step=7)  # [2, 5, 2]
+    alone = cb.protocol.step_weights([11], step=7)
     torch.testing.assert_close(both[1], alone[0])  # prompt 11 draws the same weights wherever it lands
-    assert not torch.equal(cb._weights([11], step=8), alone)
+    assert not torch.equal(cb.protocol.step_weights([11], step=8), alone)
     assert both.shape == (2, 5, 2) and torch.allclose(both.sum(-1), torch.ones(2, 5))
     assert derive_seed(1, 2) == derive_seed(1, 2) != derive_seed(2, 1)
 

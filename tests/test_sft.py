@@ -229,7 +229,7 @@ def test_records_seen_in_val_or_marked_held_out_are_refused(tmp_path):
 
 
 def test_tooluse_demonstrations_are_well_formed():
-    from vpo_lightning.rewards.tooluse import format_reward, tooluse_rewards
+    from vpo_lightning.tasks.tooluse.reward import format_reward, tooluse_rewards
 
     records = _records(REPO / "data" / "tooluse" / "train.jsonl", 150)
     by_id = {r["id"]: r for r in records}

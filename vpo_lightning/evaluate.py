@@ -14,12 +14,11 @@ completion with its reward vectors) and PNG plots (best@k, pass@k, diversity).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vpo_lightning.runs import add_run_args, find_config, known, load_config, load_model, pick_device
 from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``vpo eval`` argument parser."""
     p = argparse.ArgumentParser(prog="vpo eval", description="Sample n solutions per test prompt and compute "
                                 "best@k, pass@k, diversity, E_w best and the Pareto fraction (VPO-SPEC section 6).")
-    p.add_argument("--config", help="the YAML used by `vpo fit` (default: config.yaml beside --ckpt/--adapter)")
-    weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--ckpt", help="a Lightning .ckpt written by `vpo fit` (adapter weights under policy.*)")
-    weights.add_argument("--adapter", help="a PEFT adapter directory (checkpoints/<run>/adapters/<name>)")
+    add_run_args(p)
     p.add_argument("--split", choices=("test", "val"), default="test",
                    help="which split of the config's data (default: test)")
     p.add_argument("--data_file", help="JSONL prompts to evaluate on (overrides --split)")
@@ -65,39 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts batched into one generate call (default: 4)")
     p.add_argument("--orders", type=int, default=100, help="random pool orders averaged in best@k (default: 100)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, repeatable (e.g. rollout.sampling.max_new_tokens=64)")
     return p
-
-
-def find_config(args: argparse.Namespace) -> Path:
-    """``--config``, else the ``config.yaml`` that `vpo fit` saved beside the checkpoint or adapter."""
-    if args.config:
-        return Path(args.config)
-    weights = args.ckpt or args.adapter
-    if weights:
-        for folder in (Path(weights).parent, Path(weights).parent.parent):
-            if (folder / "config.yaml").is_file():
-                return folder / "config.yaml"
-    raise ValueError("give --config (the YAML used by `vpo fit`); no config.yaml found beside the weights")
-
-
-def load_config(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """Read a `vpo fit` YAML with OmegaConf and apply ``key=value`` overrides; returns a plain dict."""
-    from omegaconf import OmegaConf
-
-    if not path.is_file():
-        raise FileNotFoundError(f"config {str(path)!r} does not exist")
-    cfg = OmegaConf.load(path)
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ValueError(f"--set expects KEY=VALUE, got {bad[0]!r}")
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    out = OmegaConf.to_container(cfg, resolve=True)
-    if not isinstance(out, dict) or "rollout" not in out:
-        raise ValueError(f"config {str(path)!r} has no rollout: section (is it a `vpo fit` config?)")
-    return out
 
 
 def default_data_file(cfg: dict[str, Any], split: str) -> str:
@@ -143,94 +108,6 @@ def select_prompts(records: list[dict], tokenizer: Any, max_prompts: int, max_to
     return picked
 
 
-# ---- model ----------------------------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _adapter_weights_file(adapter: Path) -> Path:
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if (adapter / name).is_file():
-            return adapter / name
-    raise FileNotFoundError(f"--adapter {str(adapter)!r}: no adapter_model.safetensors in it (not a PEFT adapter)")
-
-
-def load_ckpt_policy(settings: Any, ckpt: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    """Rebuild the policy from settings and load the checkpoint's trainable weights (``policy.*`` keys)."""
-    from vpo_lightning.models import load_base_model, wrap_lora
-
-    model = load_base_model(settings, device)
-    if settings.lora.enabled:
-        model = wrap_lora(model, settings.lora)
-    state = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
-    if not state:
-        raise ValueError("the checkpoint holds no policy.* weights (not written by `vpo fit`?)")
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # shape mismatch: another rank or model
-        raise ValueError(f"checkpoint weights do not fit the model built from the config: {err}") from None
-    if result.unexpected_keys:
-        raise ValueError(f"checkpoint weights do not fit the model built from the config (e.g. "
-                         f"{result.unexpected_keys[0]!r}): check model.model.name and model.model.lora")
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(trainable - set(state))
-    if settings.lora.enabled and missing:
-        raise ValueError(f"checkpoint lacks adapter weights such as {missing[0]!r}: check model.model.lora")
-    return model
-
-
-def load_model(cfg: dict[str, Any], args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, dict]:
-    """Load the policy to evaluate: the base model, base + PEFT adapter, or base + LoRA weights from a .ckpt.
-
-    Returns:
-        ``(model, settings, info)``; ``info`` names the weights and their sha256 for eval.json.
-    """
-    from vpo_lightning.models import ModelSettings, load_base_model
-
-    raw = dict((cfg.get("model") or {}).get("model") or {})
-    info: dict[str, Any] = {"ckpt": args.ckpt, "adapter": args.adapter, "weights_sha256": None, "global_step": None}
-    if args.ckpt:
-        path = Path(args.ckpt)
-        if not path.is_file():
-            raise FileNotFoundError(f"--ckpt {str(path)!r} does not exist")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        saved = (ckpt.get("hyper_parameters") or {}).get("model")
-        if isinstance(saved, dict):  # the trained architecture wins; precision and attention follow the config
-            if raw.get("name") and saved.get("name") != raw.get("name"):
-                log.warning("--ckpt was trained on %s, not the config's %s: using %s", saved.get("name"),
-                            raw.get("name"), saved.get("name"))
-            raw.update({k: saved[k] for k in ("name", "lora", "adapter") if k in saved})
-        settings = ModelSettings(**_known(ModelSettings, raw))
-        model = load_ckpt_policy(settings, ckpt, device)
-        info.update(weights_sha256=sha256_file(path), global_step=ckpt.get("global_step"))
-        return model, settings, info
-    settings = ModelSettings(**_known(ModelSettings, raw))
-    model = load_base_model(settings, device)
-    if args.adapter:
-        from peft import PeftModel
-
-        info["weights_sha256"] = sha256_file(_adapter_weights_file(Path(args.adapter)))
-        model = PeftModel.from_pretrained(model, args.adapter)
-    return model, settings, info
-
-
-def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` = cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 # ---- sampling -------------------------------------------------------------------------------------------------
 @dataclass
 class PromptPool:
@@ -244,43 +121,59 @@ class PromptPool:
     errors: int  # reward calls that failed (scored 0); counted per engine call, on its first prompt
 
 
-def build_rollout(cfg: dict[str, Any], estimator: str | None, engine: Any) -> Any:
-    """A ``RolloutCallback`` configured like training, used for its prompts, candidate parser and reward vector."""
-    from vpo_lightning.engines import SamplingSettings
-    from vpo_lightning.rollout import RolloutCallback
+@dataclass
+class Sampler:
+    """What sampling outside training needs: the chain protocol, an engine and its sampling settings."""
+
+    protocol: Any  # vpo_lightning.protocol.ChainProtocol
+    engine: Any  # vpo_lightning.engines.Engine
+    sampling: Any  # vpo_lightning.engines.SamplingSettings
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], estimator: str | None = None) -> Sampler:
+        return cls(build_protocol(cfg, estimator), *build_engine(cfg))
+
+
+def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
+    """The run's :class:`vpo_lightning.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
+    configured like training from the config's ``rollout:`` section."""
+    from vpo_lightning.protocol import ChainProtocol
 
     ro = cfg["rollout"]
-    sampling = SamplingSettings(**_known(SamplingSettings, ro.get("sampling") or {}))
-    return RolloutCallback(
+    return ChainProtocol(
         rewards=list(ro["rewards"]), estimator=estimator or ro.get("estimator", "vpo"),
-        num_candidates=int(ro.get("num_candidates", 3)), group_size=2, num_weights=int(ro.get("num_weights", 100)),
-        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), sampling=sampling,
-        engine=engine, seed=0, log_samples_every=0, reward_workers=ro.get("reward_workers"),
+        num_candidates=int(ro.get("num_candidates", 3)), num_weights=int(ro.get("num_weights", 100)),
+        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), seed=0,
+        reward_workers=ro.get("reward_workers"),
     )
 
 
-def prompt_rows(rollout: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
+def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and its sampling settings."""
+    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+
+    ro = cfg["rollout"]
+    init = (ro.get("engine") or {}).get("init_args") or {}
+    sampling = SamplingSettings(**known(SamplingSettings, ro.get("sampling") or {}))
+    return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
+
+
+def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
     """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
-    from vpo_lightning.advantages import sample_weights
     from vpo_lightning.models import prompt_token_ids
-    from vpo_lightning.rollout import derive_seed
 
-    if rollout.estimator != "goal_conditioned_grpo":
-        return [prompt_token_ids(tokenizer, rollout._prompt(record, None))] * chains
-    gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
-    weights = sample_weights(chains, rollout.reward_vector.dim, rollout.alpha, generator=gen)  # [C, D]
-    return [prompt_token_ids(tokenizer, rollout._prompt(record, w[None])) for w in weights]
+    return [prompt_token_ids(tokenizer, messages) for messages in protocol.chain_messages(record, chains, seed)]
 
 
-def sample_batch(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
+def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
     """One engine call for all chains of ``records``; split the scored result back per prompt."""
-    from vpo_lightning.rollout import derive_seed
+    from vpo_lightning.protocol import derive_seed
 
-    rows = [r for rec in records for r in prompt_rows(rollout, ns.tokenizer, rec, chains, seed)]
+    rows = [r for rec in records for r in prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed)]
     torch.manual_seed(derive_seed(seed, "eval", call))
-    gen = rollout.engine.generate(ns, rows, 1, rollout.sampling)
-    cands = [rollout.candidates(t) for t in gen.texts]
-    scores = rollout.reward_vector.score(cands, [rec for rec in records for _ in range(chains)])
+    gen = run.engine.generate(ns, rows, 1, run.sampling)
+    cands = [run.protocol.candidates(t) for t in gen.texts]
+    scores = run.protocol.score(cands, [rec for rec in records for _ in range(chains)])
     pools = []
     for i, rec in enumerate(records):
         sl = slice(i * chains, (i + 1) * chains)
@@ -290,7 +183,7 @@ def sample_batch(ns: Any, rollout: Any, records: list[dict], chains: int, seed: 
     return pools
 
 
-def sample_pools(ns: Any, rollout: Any, records: list[dict], chains: int, seed: int, per_call: int) -> list[PromptPool]:
+def sample_pools(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, per_call: int) -> list[PromptPool]:
     """Sample every prompt's pool, ``per_call`` prompts per engine call, with a rich progress bar and ETA."""
     from rich import progress as rp
 
@@ -301,7 +194,7 @@ def sample_pools(ns: Any, rollout: Any, records: list[dict], chains: int, seed: 
         task = progress.add_task("eval", total=len(records))
         for call, start in enumerate(range(0, len(records), per_call)):
             batch = records[start : start + per_call]
-            pools += sample_batch(ns, rollout, batch, chains, seed, call)
+            pools += sample_batch(ns, run, batch, chains, seed, call)
             progress.advance(task, len(batch))
     return pools
 
@@ -314,7 +207,7 @@ def _floats(t: Tensor) -> list[float]:
 def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
     """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k)."""
     from vpo_lightning import metrics
-    from vpo_lightning.rollout import derive_seed
+    from vpo_lightning.protocol import derive_seed
 
     C, m, D = pool.rewards.shape
     values, present = pool.rewards.reshape(1, C * m, D), pool.mask.reshape(1, C * m)  # [1, n, D], [1, n]
@@ -485,21 +378,22 @@ def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) 
     return data_file, limit, select_prompts(read_jsonl(data_file), tokenizer, args.max_prompts, limit, args.prompt_seed)
 
 
-def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], rollout: Any,
+def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], sampler: Sampler,
                  pools: list[PromptPool]) -> dict[str, Any]:
     """The eval.json content: settings and provenance, per-prompt and aggregate metrics."""
     settings, info = run["settings"], run["info"]
     per_prompt = [prompt_metrics(p, args.seed, args.orders) for p in pools]
-    dims = rollout.reward_vector.dim_names
+    proto = sampler.protocol
+    dims = proto.dim_names
     return {
         "format": FORMAT, "label": default_label(cfg, args, settings.name),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": str(run["config"]), "overrides": args.overrides, "run_name": cfg.get("run_name"),
         "model": settings.name, "model_settings": asdict(settings), **info,
         "training": training_tokens(args.ckpt or args.adapter, info["global_step"]),
-        "estimator": rollout.estimator, "m": rollout.m, "n": args.n, "chains_per_prompt": args.n // rollout.m,
-        "tag_family": rollout.tag_family, "sampling": asdict(rollout.sampling), "dim_names": dims,
-        "rewards": rollout.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
+        "estimator": proto.estimator, "m": proto.m, "n": args.n, "chains_per_prompt": args.n // proto.m,
+        "tag_family": proto.tag_family, "sampling": asdict(sampler.sampling), "dim_names": dims,
+        "rewards": proto.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
         "data_file": run["data_file"], "max_prompt_tokens": run["limit"], "prompts_per_call": args.prompts_per_call,
         "best_at_k_orders": args.orders, "num_prompts": len(pools), "device": run["device"],
         "aggregate": aggregate_metrics(pools, per_prompt, dims, args.seed), "prompts": per_prompt,
@@ -508,24 +402,22 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
 
 def run(args: argparse.Namespace) -> Path:
     """Evaluate as ``args`` says; returns the output directory."""
-    from vpo_lightning.engines import TransformersEngine
     from vpo_lightning.models import load_tokenizer
 
     t0 = time.perf_counter()
-    config = find_config(args)
-    cfg = load_config(config, args.overrides)
-    init = (cfg["rollout"].get("engine") or {}).get("init_args") or {}
-    rollout = build_rollout(cfg, args.estimator, TransformersEngine(int(init.get("max_batch_size") or 0)))
-    _check_args(args, rollout.m)
+    config = find_config(args.config, args.ckpt, args.adapter)
+    cfg = load_config(config, args.overrides, require=("rollout",))
+    sampler = Sampler.from_config(cfg, args.estimator)
+    _check_args(args, sampler.protocol.m)
     device = pick_device(args.device)
-    model, settings, info = load_model(cfg, args, device)
+    model, settings, info = load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
     data_file, limit, records = load_prompts(cfg, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
-    pools = sample_pools(ns, rollout, records, args.n // rollout.m, args.seed, args.prompts_per_call)
+    pools = sample_pools(ns, sampler, records, args.n // sampler.protocol.m, args.seed, args.prompts_per_call)
     context = {"config": config, "settings": settings, "info": info, "data_file": data_file, "limit": limit,
                "device": str(device)}
-    report = build_report(args, cfg, context, rollout, pools)
+    report = build_report(args, cfg, context, sampler, pools)
     report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)
     out = Path(args.out) if args.out else default_out_dir(args, config)
     write_outputs(out, report, pools)

@@ -19,11 +19,15 @@ base is loaded, before any new adapter is added. Every command goes through :fun
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -130,6 +134,18 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+@functools.cache
+def _log_auto_dtype(dtype: torch.dtype) -> None:
+    """Say once per process what ``dtype: auto`` picked on this machine, and why."""
+    if torch.cuda.is_available():
+        why = "CUDA device with bf16" if dtype == torch.bfloat16 else "CUDA device without bf16"
+    elif dtype == torch.bfloat16:
+        why = "this CPU computes bf16 natively (AVX512-BF16 or AMX)"
+    else:
+        why = "this CPU has no native bf16 (e.g. AVX2 only), where emulated bf16 is 5-20x slower than fp32"
+    log.info("model.dtype=auto -> %s: %s", str(dtype).removeprefix("torch."), why)
+
+
 def cache_dir() -> Path:
     """Where converted built-in models are cached (``$VPO_CACHE_DIR`` or ``~/.cache/vpo_lightning/models``)."""
     return Path(os.environ.get("VPO_CACHE_DIR", Path.home() / ".cache" / "vpo_lightning" / "models"))
@@ -168,14 +184,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise
 
 
-def build_tiny_model(out: Path, seed: int = 0) -> None:
-    """Write a 2-layer random Llama (hidden 32) with SmolLM2's tokenizer to ``out`` (seeded, no download)."""
+def build_tiny_model(out: Path, seed: int = 0, hidden_size: int = 32) -> None:
+    """Write a 2-layer random Llama (hidden 32 unless given; MLP twice as wide) with SmolLM2's tokenizer to ``out``
+    (seeded, no download)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_ASSETS)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)
@@ -253,17 +270,51 @@ def _check_attention(impl: str) -> None:
         )
 
 
+class _NoOfflineKernelDownloadWarning(logging.Filter):
+    """Drops bitsandbytes' warning that its optional CPU kernel could not be fetched from the hub: the download can
+    never happen offline, the built-in kernel is used instead, and the user can do nothing about it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+_OFFLINE_KERNEL_FILTER = _NoOfflineKernelDownloadWarning()
+
+
 def _quantization_config(settings: ModelSettings) -> Any:
     from transformers import BitsAndBytesConfig
 
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError("model.load_in_4bit=true needs bitsandbytes: pip install bitsandbytes")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OFFLINE_KERNEL_FILTER)  # added once
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=_DTYPES[settings.bnb_compute_dtype],
     )
+
+
+# bitsandbytes' fast CPU path (CPUs with AVX512-BF16) repacks every 4-bit weight in tiles of 32 output rows and
+# quantisation blocks of 64 inputs; a narrower layer fails inside it with a reshape error. The check runs on every CPU,
+# so that a config loads or fails the same way on every machine.
+_CPU_4BIT_ROW_TILE = 32
+
+
+def check_cpu_4bit_widths(model: nn.Module) -> None:
+    """Refuse 4-bit layers that bitsandbytes' CPU kernels cannot run, naming the layer and the fix."""
+    for name, module in model.named_modules():
+        if type(module).__name__ != "Linear4bit":
+            continue
+        state = getattr(module.weight, "quant_state", None)
+        block = int(getattr(state, "blocksize", 64) or 64)
+        if module.in_features % block or module.out_features % _CPU_4BIT_ROW_TILE:
+            raise ValueError(
+                f"model.load_in_4bit: layer '{name}' is {module.in_features} -> {module.out_features} wide; "
+                f"bitsandbytes' CPU 4-bit kernels need input widths that are multiples of {block} and output widths "
+                f"that are multiples of {_CPU_4BIT_ROW_TILE}. Use a model whose hidden and intermediate sizes are "
+                "multiples of 64 (released LLMs are), or set model.load_in_4bit=false"
+            )
 
 
 def load_base_model(settings: ModelSettings, device: torch.device | str | None = None) -> nn.Module:
@@ -275,6 +326,8 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     kwargs: dict[str, Any] = {
         "dtype": resolve_dtype(settings.dtype), "attn_implementation": settings.attn_implementation,
     }
+    if settings.dtype == "auto" and not settings.load_in_4bit:
+        _log_auto_dtype(kwargs["dtype"])
     if settings.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(settings)
         kwargs["dtype"] = _DTYPES[settings.bnb_compute_dtype]
@@ -283,6 +336,8 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(settings.name), **kwargs)
     if settings.adapter:
         model = merge_adapter(model, settings.adapter)
+    if settings.load_in_4bit and torch.device(device or "cpu").type == "cpu":
+        check_cpu_4bit_widths(model)
     if device is not None and not settings.load_in_4bit:
         model.to(device)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
@@ -328,20 +383,46 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+@contextlib.contextmanager
+def without_bitsandbytes(active: bool = True) -> Iterator[None]:
+    """Keep bitsandbytes out of this process for the duration (a run that does not quantise).
+
+    peft imports bitsandbytes whenever it is installed (at ``import peft`` and again when it builds LoRA layers).
+    That costs seconds at start-up and, on CPUs with AVX512-BF16, makes bitsandbytes try a kernel download from the
+    hub and log a warning, in runs that never use it. While hidden, ``import bitsandbytes`` fails and peft takes it
+    for absent; afterwards the availability probes that peft and transformers cache are cleared, so a 4-bit model
+    loaded later in the same process still gets bitsandbytes' layers.
+    """
+    if not active or "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # makes the import raise ImportError
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        for name in ("peft.import_utils", "transformers.utils.import_utils"):
+            for attr, probe in vars(sys.modules.get(name) or object()).items():
+                if ("bnb" in attr or "bitsandbytes" in attr) and hasattr(probe, "cache_clear"):
+                    probe.cache_clear()
+
+
 def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
     """Wrap ``model`` in place with a trainable LoRA adapter (base weights frozen)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    four_bit = getattr(model, "is_loaded_in_4bit", False)
+    with without_bitsandbytes(active=not four_bit):
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    elif gradient_checkpointing:
-        enable_activation_checkpointing(model)
-        model.enable_input_require_grads()
-    config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+        if four_bit:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        elif gradient_checkpointing:
+            enable_activation_checkpointing(model)
+            model.enable_input_require_grads()
+        config = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, config)
 
 
 def load_policy(

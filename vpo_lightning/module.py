@@ -22,7 +22,7 @@ from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
 from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
 from vpo_lightning.packing import packed_micro_batches, packing_enabled
-from vpo_lightning.rollout import Rollout
+from vpo_lightning.protocol import Rollout
 
 log = logging.getLogger(__name__)
 

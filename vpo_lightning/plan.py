@@ -125,29 +125,29 @@ class Arch:
 
 @dataclass
 class Plan:
-    """The knobs read from a config (defaults = the code's defaults)."""
+    """The knobs read from a config's instantiated settings (:func:`plan_from_config`)."""
 
-    model: str = "smollm2-135m"
-    dtype: str = "fp32"
-    load_in_4bit: bool = False
-    gradient_checkpointing: bool = False
-    lora: bool = True
-    lora_r: int = 16
-    lora_targets: Any = "all-linear"
-    micro_batch_size: int = 8
-    share_prompt: bool = True
-    logprob_chunk_size: int = 1024
-    num_iterations: int = 1
-    beta: float = 1e-3
-    batch_size: int = 2
-    group_size: int = 8
-    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
-    prompt_tokens_known: bool = True
-    max_new_tokens: int = 256
-    engine: str = "TransformersEngine"
-    vllm_utilization: float = 0.0
-    vllm_sleep: bool = True
-    accelerator: str = "auto"
+    model: str
+    dtype: str
+    load_in_4bit: bool
+    gradient_checkpointing: bool
+    lora: bool
+    lora_r: int
+    lora_targets: Any
+    micro_batch_size: int
+    share_prompt: bool
+    logprob_chunk_size: int
+    num_iterations: int
+    beta: float
+    batch_size: int
+    group_size: int
+    prompt_tokens: int
+    prompt_tokens_known: bool
+    max_new_tokens: int
+    engine: str
+    vllm_utilization: float
+    vllm_sleep: bool
+    accelerator: str
     extra: dict = field(default_factory=dict)
 
 
@@ -160,91 +160,59 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node or node[key] is None:
-            return default
-        node = node[key]
-    return node
-
-
-def _set(cfg: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = cfg
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    node[keys[-1]] = value
-
-
 def load_config(path: str | Path, overrides: list[str] | None = None) -> dict:
-    """Read a `vpo fit` YAML (a ``fit:`` wrapper is accepted) and apply ``key=value`` dotted overrides."""
-    import yaml
+    """Read a `vpo fit` YAML as ``vpo fit`` does (see :func:`vpo_lightning.runs.load_config`)."""
+    from vpo_lightning.runs import load_config as load
 
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--config {str(path)!r}: no such file")
-    cfg = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--config {str(path)!r}: expected a YAML mapping")
-    cfg = cfg.get("fit", cfg)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. model.optim.micro_batch_size=4")
-        key, value = item.split("=", 1)
-        _set(cfg, key.strip(), yaml.safe_load(value))
-    return cfg
+    return load(path, overrides)
 
 
 def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
-    """Pull the knobs the estimate needs out of a config dict (missing keys take the code's defaults).
+    """The knobs the estimate needs, read from the settings instantiated from ``cfg`` (missing keys take the
+    defaults of the code's settings classes: :func:`vpo_lightning.runs.run_settings`).
 
     ``dtype: auto`` becomes bf16 when planning for a GPU (``for_gpu`` or ``trainer.accelerator: gpu``), else what
     ``resolve_dtype`` picks on this machine.
     """
     from vpo_lightning.models import resolve_dtype
     from vpo_lightning.packing import packing_enabled
+    from vpo_lightning.runs import run_settings
 
-    dtype = str(_get(cfg, "model.model.dtype", "auto"))
-    accelerator = str(_get(cfg, "trainer.accelerator", "auto"))
+    run = run_settings(cfg)
+    model, optim = run.model, run.optim
+    dtype = model.dtype
     if dtype == "auto":
-        if for_gpu or accelerator in ("gpu", "cuda"):
+        if for_gpu or run.accelerator in ("gpu", "cuda"):
             dtype = "bf16"  # the planned card is assumed bf16-capable (any recent NVIDIA card)
         else:
             dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[
                 str(resolve_dtype("auto"))]
-    engine = _get(cfg, "rollout.engine", {}) or {}
-    class_path = engine.get("class_path", "TransformersEngine") if isinstance(engine, dict) else str(engine)
-    init = engine.get("init_args", {}) if isinstance(engine, dict) else {}
-    is_vllm = "VLLM" in class_path
-    prompt = int(_get(cfg, "data.max_prompt_tokens", 0) or 0)
+    is_vllm = run.engine == "VLLMEngine"
     plan = Plan(
-        model=str(_get(cfg, "model.model.name", "smollm2-135m")),
-        dtype=_get(cfg, "model.model.bnb_compute_dtype", "bf16") if _get(cfg, "model.model.load_in_4bit") else dtype,
-        load_in_4bit=bool(_get(cfg, "model.model.load_in_4bit", False)),
-        gradient_checkpointing=bool(_get(cfg, "model.model.gradient_checkpointing", False)),
-        lora=bool(_get(cfg, "model.model.lora.enabled", True)),
-        lora_r=int(_get(cfg, "model.model.lora.r", 16)),
-        lora_targets=_get(cfg, "model.model.lora.target_modules", "all-linear"),
-        micro_batch_size=int(_get(cfg, "model.optim.micro_batch_size", 8)),
-        share_prompt=packing_enabled(bool(_get(cfg, "model.optim.share_prompt", True)),
-                                     str(_get(cfg, "model.model.attn_implementation", "sdpa"))),
-        logprob_chunk_size=int(_get(cfg, "model.optim.logprob_chunk_size", 1024)),
-        num_iterations=int(_get(cfg, "model.optim.num_iterations", 1)),
-        beta=float(_get(cfg, "model.loss.beta", 1e-3)),
-        batch_size=int(_get(cfg, "data.batch_size", 2)),
-        group_size=int(_get(cfg, "rollout.group_size", 8)),
-        prompt_tokens=prompt or DEFAULT_PROMPT_TOKENS,
-        prompt_tokens_known=bool(prompt),
-        max_new_tokens=int(_get(cfg, "rollout.sampling.max_new_tokens", 256)),
-        engine="VLLMEngine" if is_vllm else "TransformersEngine",
-        vllm_utilization=float(init.get("gpu_memory_utilization", 0.3)) if is_vllm else 0.0,
-        vllm_sleep=bool(init.get("enable_sleep_mode", True)),
-        accelerator=accelerator,
+        model=model.name,
+        dtype=model.bnb_compute_dtype if model.load_in_4bit else dtype,
+        load_in_4bit=model.load_in_4bit,
+        gradient_checkpointing=model.gradient_checkpointing,
+        lora=model.lora.enabled,
+        lora_r=model.lora.r,
+        lora_targets=model.lora.target_modules,
+        micro_batch_size=optim.micro_batch_size,
+        share_prompt=packing_enabled(optim.share_prompt, model.attn_implementation),
+        logprob_chunk_size=optim.logprob_chunk_size,
+        num_iterations=optim.num_iterations,
+        beta=run.loss.beta,
+        batch_size=run.batch_size,
+        group_size=run.group_size,
+        prompt_tokens=run.max_prompt_tokens or DEFAULT_PROMPT_TOKENS,
+        prompt_tokens_known=bool(run.max_prompt_tokens),
+        max_new_tokens=run.sampling.max_new_tokens,
+        engine=run.engine,
+        vllm_utilization=float(run.engine_args["gpu_memory_utilization"]) if is_vllm else 0.0,
+        vllm_sleep=bool(run.engine_args.get("enable_sleep_mode", True)),
+        accelerator=run.accelerator,
     )
-    if plan.micro_batch_size < 1 or plan.logprob_chunk_size < 1 or plan.max_new_tokens < 1:
-        raise ValueError("model.optim.micro_batch_size, model.optim.logprob_chunk_size and "
-                         "rollout.sampling.max_new_tokens must be >= 1")
+    if plan.micro_batch_size < 1 or plan.logprob_chunk_size < 1:
+        raise ValueError("model.optim.micro_batch_size and model.optim.logprob_chunk_size must be >= 1")
     return plan
 
 

@@ -11,11 +11,9 @@ weights of a prompt group from (seed, step, prompt index), so a resumed run and 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,60 +23,16 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 
 from vpo_lightning import metrics
-from vpo_lightning.advantages import CHAIN_ESTIMATORS, ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights, set_rewards
-from vpo_lightning.chains import build_instruction, parse_chain
+from vpo_lightning.advantages import ESTIMATORS, set_rewards
 from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
 from vpo_lightning.models import prompt_token_ids
-from vpo_lightning.rewards import RewardScores, RewardVector
+from vpo_lightning.protocol import ChainProtocol, Estimator, Rollout, build_rollout_tensors, derive_seed
+from vpo_lightning.rewards import RewardScores
+
+__all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
 
 log = logging.getLogger(__name__)
-
-Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any tuple of values (independent of PYTHONHASHSEED)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@dataclass
-class Rollout:
-    """One step's sampled chains, ready for the loss. N = B * G rows, group-contiguous."""
-
-    input_ids: Tensor  # [N, P + L] left-padded prompt, right-padded completion
-    attention_mask: Tensor  # [N, P + L]
-    completion_mask: Tensor  # [N, L] 1 on generated tokens that count in the loss
-    prompt_length: int  # P
-    advantages: Tensor  # [N] one scalar per chain, broadcast to every generated token
-    rewards: Tensor  # [N, m, D]
-    candidate_mask: Tensor  # [N, m]
-    texts: list[str]
-    temperature: float = 1.0
-    max_length: int = 0  # the generation budget (Dr. GRPO's constant normaliser); 0 = the batch's L
-    engine_logprobs: Tensor | None = None  # [N, L] from the engine (vLLM), for the train/inference gap
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-def build_rollout_tensors(
-    prompt_ids: list[list[int]], gen: Generation, group_size: int, pad_id: int
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Stack prompts (left-padded) and completions (right-padded): ``input_ids``, ``attention_mask`` ``[N, P+L]``,
-    ``completion_mask`` ``[N, L]`` and P."""
-    rows = [p for p in prompt_ids for _ in range(group_size)]
-    P, L_ = max(len(p) for p in rows), max(1, max(len(c) for c in gen.completion_ids))
-    N = len(rows)
-    ids = torch.full((N, P + L_), pad_id, dtype=torch.long)  # [N, P + L]
-    attn = torch.zeros(N, P + L_, dtype=torch.long)  # [N, P + L]
-    comp = torch.zeros(N, L_, dtype=torch.float32)  # [N, L]
-    for i, (p, c) in enumerate(zip(rows, gen.completion_ids)):
-        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p) : P + len(c)] = 1
-        if c:
-            ids[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
-            comp[i, : len(c)] = 1.0
-    return ids, attn, comp, P
 
 
 class RolloutCallback(L.Callback):
@@ -125,12 +79,13 @@ class RolloutCallback(L.Callback):
         _validate(estimator, num_candidates, group_size, num_weights, alpha)
         if max_generated_tokens is not None and max_generated_tokens < 1:
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
-        self.reward_names, self.estimator = list(rewards), estimator
-        self.m = num_candidates if estimator in CHAIN_ESTIMATORS else 1
+        self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
+                                      reward_workers)  # fails fast on a bad reward name
+        self.reward_names, self.estimator, self.m = self.protocol.reward_names, estimator, self.protocol.m
         self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
         self.sampling, self.engine = sampling, engine
         self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
-        self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
+        self.reward_vector = self.protocol.reward_vector
         self.max_generated_tokens = max_generated_tokens
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
@@ -181,39 +136,12 @@ class RolloutCallback(L.Callback):
         self.engine.teardown()
 
     # ---- the rollout itself -------------------------------------------------------------------------------------
-    def _prompt(self, record: dict, weights: Tensor | None) -> list[dict[str, str]]:
-        messages = [dict(m) for m in record["messages"]]
-        suffix = build_instruction(self.m, self.tag_family) if self.estimator in CHAIN_ESTIMATORS else ""
-        if self.estimator == "goal_conditioned_grpo" and weights is not None:
-            shown = ", ".join(f"{n}={w:.2f}" for n, w in zip(self.reward_vector.dim_names, weights[0].tolist()))
-            suffix += f"\n\nObjective weights for this answer (optimise the weighted sum): {shown}."
-        messages[-1]["content"] += suffix
-        return messages
-
-    def _weights(self, indices: list[int], step: int) -> Tensor | None:
-        """[B, K, D] weights keyed by (seed, step, prompt index); K = 1 for the weighted single-answer baselines."""
-        if self.estimator != "vpo" and self.estimator not in WEIGHTED_ESTIMATORS:
-            return None
-        k = self.num_weights if self.estimator == "vpo" else 1
-        draws = [
-            sample_weights(k, self.reward_vector.dim, self.alpha,
-                           generator=torch.Generator().manual_seed(derive_seed(self.seed, step, idx)))
-            for idx in indices
-        ]
-        return torch.stack(draws)  # [B, K, D]
-
-    def candidates(self, text: str) -> list[str | None]:
-        """Split a chain into m candidates (single-answer methods: the whole text, None when empty)."""
-        if self.m == 1 and self.estimator not in CHAIN_ESTIMATORS:
-            return [text if text.strip() else None]
-        return parse_chain(text, self.m, self.tag_family)
-
     def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0) -> Rollout:
         records: list[dict] = batch["records"]
         indices = batch.get("indices", list(range(len(records))))
         B, G, tok = len(records), self.group_size, pl_module.tokenizer
-        weights = self._weights(indices, step)  # [B, K, D] or None
-        prompts = [prompt_token_ids(tok, self._prompt(r, None if weights is None else weights[b]))
+        weights = self.protocol.step_weights(indices, step)  # [B, K, D] or None
+        prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]))
                    for b, r in enumerate(records)]
         torch.manual_seed(derive_seed(self.seed, "sample", step, rank))
         pause_point("generate", step)  # a no-op outside the kill-and-resume tests
@@ -221,9 +149,9 @@ class RolloutCallback(L.Callback):
         seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
         gen = self.engine.generate(pl_module, prompts, G, self.sampling, seeds)
         gen_time = time.perf_counter() - t0
-        cands = [self.candidates(t) for t in gen.texts]  # [N][m]
+        cands = [self.protocol.candidates(t) for t in gen.texts]  # [N][m]
         samples = [r for r in records for _ in range(G)]
-        scores = self.reward_vector.score(cands, samples)
+        scores = self.protocol.score(cands, samples)
         rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
         mask = scores.mask.view(B, G, self.m)  # [B, G, m]
         adv = ESTIMATORS[self.estimator](rewards, mask, weights=weights, num_weights=self.num_weights,

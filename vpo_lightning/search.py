@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.runs import add_run_args
 from vpo_lightning.tools import report_error
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``vpo search`` argument parser."""
     p = argparse.ArgumentParser(prog="vpo search", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="the YAML used by `vpo fit` (default: config.yaml beside --adapter/--ckpt)")
-    weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--adapter", help="a PEFT adapter directory (checkpoints/<run>/adapters/<name>)")
-    weights.add_argument("--ckpt", help="a Lightning .ckpt written by `vpo fit`")
+    add_run_args(p)
     p.add_argument("--budget", type=int, default=16, help="candidate solutions per problem (chains: m per chain)")
     p.add_argument("--mode", choices=MODES, default="best_of_k", help="best_of_k, or rejection (stop at first solve)")
     p.add_argument("--split", choices=("test", "val", "train"), default="test", help="which split of the config's data")
@@ -69,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", help="name of this run (default: from the run name and weights)")
     p.add_argument("--out", help="output directory (default: beside the weights, else checkpoints/search-<config>)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, repeatable (e.g. rollout.sampling.max_new_tokens=384)")
     return p
 
 
@@ -104,13 +100,13 @@ def chains_for(budget: int, m: int) -> int:
     return math.ceil(budget / m)
 
 
-def search_problems(ns: Any, rollout: Any, records: list[dict], budget: int, mode: str, seed: int,
+def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mode: str, seed: int,
                     prompts_per_call: int = 4, chains_per_round: int = 1) -> list[ProblemState]:
-    """Run the search on ``records`` with ``rollout``'s engine, prompts, parser and reward vector.
+    """Run the search on ``records`` with ``sampler``'s engine and its chain protocol's prompts, parser and rewards.
 
     Args:
         ns: what the engine needs (``policy``, ``tokenizer``, ``device``, ``model_settings``).
-        rollout: a configured :class:`vpo_lightning.rollout.RolloutCallback` (``evaluate.build_rollout``).
+        sampler: an :class:`vpo_lightning.evaluate.Sampler` (chain protocol, engine, sampling settings).
         records: the problems.
         budget: candidate solutions per problem.
         mode: ``best_of_k`` or ``rejection``.
@@ -122,9 +118,10 @@ def search_problems(ns: Any, rollout: Any, records: list[dict], budget: int, mod
         One :class:`ProblemState` per record, in order.
     """
     from vpo_lightning.evaluate import prompt_rows
-    from vpo_lightning.rollout import derive_seed
+    from vpo_lightning.protocol import derive_seed
 
-    m, total = rollout.m, chains_for(budget, rollout.m)
+    protocol = sampler.protocol
+    m, total = protocol.m, chains_for(budget, protocol.m)
     states = [ProblemState(r) for r in records]
     step = total if mode == "best_of_k" else max(1, chains_per_round)
     call, rnd = 0, 0
@@ -135,18 +132,18 @@ def search_problems(ns: Any, rollout: Any, records: list[dict], budget: int, mod
         chains = min(step, total - active[0].chains)  # all active problems advance in lockstep
         for start in range(0, len(active), prompts_per_call):
             batch = active[start : start + prompts_per_call]
-            rows = [r for s in batch for r in prompt_rows(rollout, ns.tokenizer, s.record, chains, seed)]
+            rows = [r for s in batch for r in prompt_rows(protocol, ns.tokenizer, s.record, chains, seed)]
             torch.manual_seed(derive_seed(seed, "search", rnd, call))
-            gen = rollout.engine.generate(ns, rows, 1, rollout.sampling)
+            gen = sampler.engine.generate(ns, rows, 1, sampler.sampling)
             call += 1
             cands: list[list[str | None]] = []
             for i, text in enumerate(gen.texts):
                 state = batch[i // chains]
                 first_slot = (state.chains + i % chains) * m  # slot of this chain's first candidate
-                parsed = rollout.candidates(text)
+                parsed = protocol.candidates(text)
                 cands.append([c if first_slot + j < budget else None for j, c in enumerate(parsed)])
             samples = [s.record for s in batch for _ in range(chains)]
-            scores = rollout.reward_vector.score(cands, samples)
+            scores = protocol.score(cands, samples)
             for b, state in enumerate(batch):
                 for c in range(b * chains, (b + 1) * chains):
                     keep = min(m, budget - (state.chains * m))
@@ -226,23 +223,22 @@ def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     """Search as ``args`` says; returns the output directory (holding search.json)."""
-    from vpo_lightning import evaluate
-    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning import evaluate, runs
     from vpo_lightning.models import load_tokenizer
 
     if args.budget < 1 or args.prompts_per_call < 1 or args.chains_per_round < 1 or args.max_prompts < 0:
         raise ValueError("--budget, --prompts_per_call and --chains_per_round must be >= 1 (--max_prompts >= 0)")
     t0 = time.perf_counter()
-    config = evaluate.find_config(args)
-    cfg = evaluate.load_config(config, args.overrides)
-    init = (cfg["rollout"].get("engine") or {}).get("init_args") or {}
-    rollout = evaluate.build_rollout(cfg, args.estimator, TransformersEngine(int(init.get("max_batch_size") or 0)))
-    device = evaluate.pick_device(args.device)
-    model, settings, info = evaluate.load_model(cfg, args, device)
+    config = runs.find_config(args.config, args.ckpt, args.adapter)
+    cfg = runs.load_config(config, args.overrides, require=("rollout",))
+    sampler = evaluate.Sampler.from_config(cfg, args.estimator)
+    protocol = sampler.protocol
+    device = runs.pick_device(args.device)
+    model, settings, info = runs.load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
     data_file, records = load_records(cfg, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
-    states = search_problems(ns, rollout, records, args.budget, args.mode, args.seed, args.prompts_per_call,
+    states = search_problems(ns, sampler, records, args.budget, args.mode, args.seed, args.prompts_per_call,
                              args.chains_per_round)
     problems = [problem_report(s, args.mode, args.budget) for s in states]
     report = {
@@ -250,10 +246,10 @@ def run(args: argparse.Namespace) -> Path:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "mode": args.mode, "budget": args.budget, "config": str(config), "overrides": args.overrides,
         "run_name": cfg.get("run_name"), "model": settings.name, **info,
-        "estimator": rollout.estimator, "m": rollout.m, "chains_per_problem": chains_for(args.budget, rollout.m),
+        "estimator": protocol.estimator, "m": protocol.m, "chains_per_problem": chains_for(args.budget, protocol.m),
         "chains_per_round": args.chains_per_round if args.mode == "rejection" else None,
-        "tag_family": rollout.tag_family, "sampling": asdict(rollout.sampling), "rewards": rollout.reward_names,
-        "dim_names": rollout.reward_vector.dim_names, "seed": args.seed, "split": args.split, "data_file": data_file,
+        "tag_family": protocol.tag_family, "sampling": asdict(sampler.sampling), "rewards": protocol.reward_names,
+        "dim_names": protocol.dim_names, "seed": args.seed, "split": args.split, "data_file": data_file,
         "num_prompts": len(problems), "device": str(device),
         "aggregate": {**aggregate(problems, args.budget), "time_s": round(time.perf_counter() - t0, 2)},
         "problems": problems,

@@ -47,7 +47,6 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -780,12 +779,11 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
 def load_for_serving(config: str | None, adapter: str | None, ckpt: str | None, overrides: list[str],
                      device: torch.device) -> tuple[Any, Any, Any, dict[str, Any]]:
     """``(model, tokenizer, model settings, config dict)`` for ``vpo serve``, loaded like ``vpo eval`` does."""
-    from vpo_lightning import evaluate
+    from vpo_lightning import runs
     from vpo_lightning.models import load_tokenizer
 
-    ns = SimpleNamespace(config=config, adapter=adapter, ckpt=ckpt, overrides=overrides)
-    cfg = evaluate.load_config(evaluate.find_config(ns), overrides)
-    model, settings, _ = evaluate.load_model(cfg, ns, device)
+    cfg = runs.load_config(runs.find_config(config, ckpt, adapter), overrides, require=("rollout",))
+    model, settings, _ = runs.load_model(cfg, device, ckpt=ckpt, adapter=adapter)
     return model.eval(), load_tokenizer(settings.name), settings, cfg
 
 
@@ -834,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo serve``: load, bind, serve until Ctrl-C or SIGTERM."""
-    from vpo_lightning.evaluate import pick_device
+    from vpo_lightning.runs import pick_device
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

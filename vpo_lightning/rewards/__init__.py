@@ -6,9 +6,14 @@ data record the prompt came from (its ``ground_truth``, ``tools``, ``meta`` ...)
 
 In YAML, ``rollout.rewards: [format, tool_name, arg_key, arg_value]`` gives a D = 4 reward vector whose dimension
 names are logged. A name that is not registered is imported as a dotted path (``my_pkg.rewards.exact``), TRL style.
+A vector reward declares its dimensions wherever it comes from: registered with ``dims=``, or, imported by dotted
+path, either registered (under any name) by its module or carrying a ``dims`` attribute (``fn.dims = ("a", "b")``);
+a reward that returns a different number of values than it declares stops the run at once with an error saying so.
 
-Model output never crashes a run: a reward that raises, returns the wrong length, NaN or a value outside [0, 1] is
-reported once with its name and the offending input, scores 0 for that candidate, and is counted in the logs.
+Model output never crashes a run: a reward that raises, returns NaN or a value outside [0, 1] is reported with its
+name and the offending input, scores 0 for that candidate, and is counted in the logs. A reward that fails on each
+of its first ``fail_after`` calls (default 100) is broken, not unlucky: the run stops with an error naming it
+instead of training on zeros.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import difflib
 import importlib
 import logging
 import math
+import pkgutil
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +36,6 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Mapping[str, Any]], "float | Sequence[float]"]
 
-# Modules whose import registers the built-in rewards. Imported on first lookup, not at package import.
-_BUILTIN_MODULES = ("vpo_lightning.rewards.tooluse", "vpo_lightning.rewards.maze", "vpo_lightning.rewards.code")
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,19 @@ def register(
     return wrap
 
 
+def builtin_tasks() -> list[str]:
+    """The built-in tasks: every package under :mod:`vpo_lightning.tasks` (the folder is the list)."""
+    import vpo_lightning.tasks as tasks
+
+    return sorted(info.name for info in pkgutil.iter_modules(tasks.__path__) if info.ispkg)
+
+
 def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import ``vpo_lightning.tasks.<name>.reward`` of every built-in task: its import registers the task's rewards.
+
+    Imported on first lookup, not at package import."""
+    for task in builtin_tasks():
+        importlib.import_module(f"vpo_lightning.tasks.{task}.reward")
 
 
 def registered_names() -> list[str]:
@@ -85,6 +100,15 @@ def get_reward(name: str) -> RewardEntry:
             return REWARDS[name]
         if not callable(fn):
             raise ValueError(f"reward {name!r} is not callable")
+        for entry in REWARDS.values():  # registered by its module under another name: keep its declared dims
+            if entry.fn is fn:
+                return RewardEntry(name, fn, entry.dims, entry.parallel)
+        dims = getattr(fn, "dims", None)
+        if dims is not None:
+            if isinstance(dims, str) or not dims or not all(isinstance(d, str) for d in dims):
+                raise ValueError(f"reward {name!r}: its dims attribute must be a non-empty sequence of dimension "
+                                 f"names, got {dims!r}")
+            return RewardEntry(name, fn, tuple(dims), bool(getattr(fn, "parallel", False)))
         return RewardEntry(name, fn, (attr,), False)
     close = difflib.get_close_matches(name, REWARDS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -104,22 +128,39 @@ class RewardScores:
     errors: list[str] = field(default_factory=list)  # the first few error reports
 
 
+class RewardDeclarationError(ValueError):
+    """A reward returned a different number of values than the dimensions it declares (a bug in the reward)."""
+
+
+class BrokenRewardError(RuntimeError):
+    """A reward failed on every one of its first ``fail_after`` calls: it is broken, so the run stops."""
+
+
 class RewardVector:
     """The configured reward functions, composed into a D-dimensional vector per candidate.
 
     Args:
         names: registered reward names or dotted paths, in dimension order.
         max_workers: threads for rewards registered with ``parallel=True`` (default: the CPU count).
+        fail_after: raise :class:`BrokenRewardError` once a reward has failed this many times without a single
+            success (None = never).
     """
 
     MAX_REPORTS = 20
 
-    def __init__(self, names: Sequence[str], max_workers: int | None = None) -> None:
+    def __init__(self, names: Sequence[str], max_workers: int | None = None, fail_after: int | None = 100) -> None:
         if not names:
             raise ValueError("rewards: give at least one reward name, e.g. [format, tool_name, arg_key, arg_value]")
+        if fail_after is not None and fail_after < 1:
+            raise ValueError(f"fail_after must be >= 1 or None, got {fail_after}")
         self.entries = [get_reward(n) for n in names]
         self.dim_names = [d for e in self.entries for d in e.dims]
         self.max_workers = max_workers
+        self.fail_after = fail_after
+        self.failures = {e.name: 0 for e in self.entries}  # calls that raised or returned an invalid value
+        self.successes = {e.name: 0 for e in self.entries}
+        self._last_error: dict[str, str] = {}
+        self._lock = threading.Lock()  # parallel rewards update the counts from pool threads
         self._reported = 0
 
     @property
@@ -131,19 +172,39 @@ class RewardVector:
         try:
             out = entry.fn(candidate, sample)
             values = [float(out)] if len(entry.dims) == 1 and not isinstance(out, Sequence) else [float(v) for v in out]
-            if len(values) != len(entry.dims):
-                raise ValueError(f"returned {len(values)} values, expected {len(entry.dims)}")
             bad = [v for v in values if math.isnan(v) or not 0.0 <= v <= 1.0]
             if bad:
                 raise ValueError(f"returned {bad[0]!r}, outside [0, 1]")
-            return values
-        except Exception as err:  # noqa: BLE001 - a reward bug must not stop training
+        except Exception as err:  # noqa: BLE001 - model output must not stop training
             message = f"reward {entry.name!r} failed on candidate {candidate[:200]!r}: {type(err).__name__}: {err}"
-            errors.append(message)
-            if self._reported < self.MAX_REPORTS:
+            with self._lock:
+                errors.append(message)
+                self.failures[entry.name] += 1
+                self._last_error[entry.name] = message
+                report, self._reported = self._reported < self.MAX_REPORTS, self._reported + 1
+            if report:
                 log.warning(message)
-                self._reported += 1
             return zeros
+        if len(values) != len(entry.dims):
+            raise RewardDeclarationError(
+                f"reward {entry.name!r} returned {len(values)} values but declares {len(entry.dims)} dimension(s) "
+                f"{list(entry.dims)}: declare a vector reward's dimensions with register(name, dims=(...)) or, for a "
+                "dotted path, a dims attribute on the function (fn.dims = ('a', 'b'))"
+            )
+        with self._lock:
+            self.successes[entry.name] += 1
+        return values
+
+    def _check_broken(self) -> None:
+        if self.fail_after is None:
+            return
+        for name, failed in self.failures.items():
+            if failed >= self.fail_after and self.successes[name] == 0:
+                raise BrokenRewardError(
+                    f"reward {name!r} failed on all of its first {failed} calls, so it is broken rather than the "
+                    f"model output being bad; fix it or remove it from rollout.rewards. Last error: "
+                    f"{self._last_error.get(name, '')}"
+                )
 
     def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
         """Score ``candidates[n][j]`` (None = absent) of chain n against its record ``samples[n]``."""
@@ -167,4 +228,5 @@ class RewardVector:
             for (i, j, _), values in zip(jobs, results):
                 rewards[i, j, col : col + width] = torch.tensor(values)
             col += width
+        self._check_broken()
         return RewardScores(rewards, mask, len(errors), errors[: self.MAX_REPORTS])

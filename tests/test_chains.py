@@ -103,11 +103,19 @@ def test_parse_arbitrary_unicode(text, m):
     assert len(parse_chain(text, m)) == m and len(parse_chain(text, m, "fence")) == m
 
 
+# Adversarial for a backtracking regex: a million opening tags and no closing tag, plus a real block at the end.
+HOSTILE = "<response_1>" * 100_000 + "x" * 1_000_000 + "```" * 100_000
+
+
+def test_megabyte_hostile_chain_parses():
+    assert parse_chain(HOSTILE + "<response_2>found</response_2>", 3) == [None, "found", None]
+    assert parse_chain(HOSTILE, 3, "fence") == [None, None, None]
+
+
+@pytest.mark.slow
 def test_megabyte_chain_parses_quickly():
-    # Adversarial for a backtracking regex: a million opening tags and no closing tag, plus a real block at the end.
-    hostile = "<response_1>" * 100_000 + "x" * 1_000_000 + "```" * 100_000
-    tail = "<response_2>found</response_2>"
+    """The timing half (slow tier: wall-clock bounds are flaky on a loaded machine): linear time, well under 1 s."""
     start = time.perf_counter()
-    assert parse_chain(hostile + tail, 3) == [None, "found", None]
-    assert parse_chain(hostile, 3, "fence") == [None, None, None]
+    parse_chain(HOSTILE + "<response_2>found</response_2>", 3)
+    parse_chain(HOSTILE, 3, "fence")
     assert time.perf_counter() - start < 1.0

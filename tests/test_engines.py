@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -103,7 +104,12 @@ def test_vllm_engine_generates_on_gpu():
     engine.setup(module)
     prompt = module.tokenizer("hello")["input_ids"]
     gen = engine.generate(module, [prompt], 2, SamplingSettings(max_new_tokens=8))
-    assert len(gen.completion_ids) == 2 and gen.engine_logprobs is not None
+    assert len(gen.completion_ids) == 2 and len(gen.texts) == 2 and gen.engine_logprobs is not None
+    assert all(1 <= len(c) <= 8 for c in gen.completion_ids)
+    assert gen.num_tokens == sum(len(c) for c in gen.completion_ids)
+    # one finite log-prob <= 0 per generated token (the train/inference gap metric reads them token by token)
+    assert [len(lp) for lp in gen.engine_logprobs] == [len(c) for c in gen.completion_ids]
+    assert all(math.isfinite(v) and v <= 0.0 for lp in gen.engine_logprobs for v in lp)
 
 
 def test_shared_prefix_generation_equals_plain_generation():

@@ -13,7 +13,6 @@ import yaml
 
 from vpo_lightning import evaluate, runs
 from vpo_lightning.cli import main as vpo
-from vpo_lightning.engines import Generation, TransformersEngine
 from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, wrap_lora
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,22 +160,17 @@ def _solvable_records(count: int) -> list[dict]:
     raise AssertionError("not enough solvable records")
 
 
-def test_eval_metrics_with_a_scripted_engine(tmp_path, monkeypatch, tiny_model_dir):
+def test_eval_metrics_with_a_scripted_engine(tmp_path, script_generation, tiny_model_dir):
     """Each chain: answer 1 = the gold call (solves), answer 2 = well-tagged but wrong (zero vector), 3 missing."""
     records = _solvable_records(2)
     data = tmp_path / "picked.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
 
-    def scripted(self, module, prompt_ids, group_size, sampling):
-        texts = []
-        for row in prompt_ids:
-            prompt = module.tokenizer.decode(row)
-            record = next(r for r in records if r["messages"][-1]["content"] in prompt)
-            texts.append(f"<response_1>{_gold_answer(record)}</response_1>\n<response_2>no idea</response_2>")
-        ids = [module.tokenizer(t)["input_ids"] for t in texts]
-        return Generation(ids, texts, sum(map(len, ids)))
+    def answer(prompt: str, row: int) -> str:
+        record = next(r for r in records if r["messages"][-1]["content"] in prompt)
+        return f"<response_1>{_gold_answer(record)}</response_1>\n<response_2>no idea</response_2>"
 
-    monkeypatch.setattr(TransformersEngine, "generate", scripted)
+    script_generation(answer)
     r = _run("--config", str(_config(tmp_path)), "--data_file", str(data), "--n", "6", "--max_prompts", "2",
              "--max_prompt_tokens", "0", "--out", str(tmp_path / "out"))
     agg = r["aggregate"]

@@ -124,3 +124,13 @@ def test_pareto_fraction_ties_do_not_dominate():
 def test_bad_input_raises_value_error_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_best_at_k_with_f_weights():
+    """f_weights make f a weighted mean (MuSiQue's (1, 1, 1, 1, 3) / 7); equal weights give the plain mean exactly."""
+    pool = torch.tensor([[[1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]])  # [P=1, n=2, D=5]
+    weighted = best_at_k_curve(pool, seed=0, num_seeds=50, f_weights=[1, 1, 1, 1, 3])
+    assert float(weighted[-1]) == pytest.approx(4 / 7)  # f = 4/7 and 3/7
+    assert torch.equal(best_at_k_curve(pool, seed=3, f_weights=[2.0] * 5), best_at_k_curve(pool, seed=3))
+    with pytest.raises(ValueError, match="non-negative"):
+        best_at_k_curve(pool, f_weights=[1, 1, 1, 1, -1])

@@ -6,23 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import build_tiny_module
 
 from vpo_lightning.engines import Generation, SamplingSettings, TransformersEngine
-from vpo_lightning.models import LoraSettings, ModelSettings
-from vpo_lightning.module import OptimSettings, VPOModule, _micro_batches
-from vpo_lightning.rollout import Rollout, build_rollout_tensors
+from vpo_lightning.module import VPOModule, _micro_batches
+from vpo_lightning.protocol import Rollout, build_rollout_tensors
 
 
 def _module(**optim) -> VPOModule:
-    torch.manual_seed(0)  # LoRA init and the adapter noise below: the same weights whatever ran before
-    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)),
-                       optim=OptimSettings(**optim))
-    module.configure_model()
-    with torch.no_grad():  # a non-zero adapter so policy and reference differ
-        for n, p in module.policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.1)
-    return module
+    torch.manual_seed(0)  # LoRA init and the adapter noise: the same weights whatever ran before
+    return build_tiny_module(**optim)
 
 
 def _rollout(module: VPOModule, n_prompts=2, group=3, seed=0) -> Rollout:
@@ -118,11 +111,16 @@ def test_training_step_updates_lora_only():
 
 
 def test_transformers_engine_generates_group_contiguous_chains():
+    """Chains n = 0..G-1 continue prompt 0 and G..2G-1 prompt 1: with greedy sampling (top_k = 1) every chain equals
+    its own prompt's continuation generated alone, and the two prompts' continuations differ."""
     module = _module()
     tok = module.tokenizer
     prompts = [tok("hello")["input_ids"], tok("a longer prompt here")["input_ids"]]
-    torch.manual_seed(0)
-    gen = TransformersEngine().generate(module, prompts, 3, SamplingSettings(max_new_tokens=5))
+    greedy = SamplingSettings(max_new_tokens=5, top_k=1)
+    gen = TransformersEngine().generate(module, prompts, 3, greedy)
     assert len(gen.completion_ids) == 6 and len(gen.texts) == 6
     assert all(1 <= len(c) <= 5 for c in gen.completion_ids)
     assert gen.num_tokens == sum(len(c) for c in gen.completion_ids)
+    alone = [TransformersEngine().generate(module, [p], 1, greedy).completion_ids[0] for p in prompts]
+    assert alone[0] != alone[1]  # otherwise the order check below would prove nothing
+    assert gen.completion_ids == [alone[0]] * 3 + [alone[1]] * 3

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_tiny_module
 
 from vpo_lightning.engines import Generation
-from vpo_lightning.models import LoraSettings, ModelSettings
-from vpo_lightning.module import OptimSettings, VPOModule, _micro_batches
+from vpo_lightning.module import VPOModule, _micro_batches
 from vpo_lightning.packing import pack_rows, packed_attention_mask, packed_micro_batches, prompt_groups
-from vpo_lightning.rollout import Rollout, build_rollout_tensors
+from vpo_lightning.protocol import Rollout, build_rollout_tensors
 
 
 def test_mask_prompt_causal_completions_see_prompt_and_themselves():
@@ -53,15 +53,8 @@ def test_prompt_groups_by_tokens_not_by_position():
 
 
 def _module(checkpointing=False, attn="sdpa") -> VPOModule:
-    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", attn_implementation=attn,
-                                     gradient_checkpointing=checkpointing, lora=LoraSettings(r=4)),
-                       optim=OptimSettings())
-    module.configure_model()
+    module = build_tiny_module(attn=attn, checkpointing=checkpointing, lora_b_seed=1)
     module.policy.train()
-    with torch.no_grad():
-        for n, p in module.policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.1, generator=torch.Generator().manual_seed(1))
     return module
 
 

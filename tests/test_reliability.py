@@ -26,10 +26,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ScriptedEngine, build_tiny_module
 
-from vpo_lightning.engines import Engine, Generation
-from vpo_lightning.models import LoraSettings, ModelSettings
-from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
+from vpo_lightning.engines import Generation
+from vpo_lightning.models import ModelSettings
+from vpo_lightning.module import VPOModule
 from vpo_lightning.rollout import Rollout, RolloutCallback, build_rollout_tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,13 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 def _module(beta: float = 0.0, lora_b_std: float = 0.1, **optim) -> VPOModule:
     """The tiny model with a non-zero adapter, wired to a stand-in trainer (the pieces training_step touches)."""
-    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)),
-                       loss=LossSettings(beta=beta), optim=OptimSettings(**{"lr": 1e-2, **optim}))
-    module.configure_model()
-    with torch.no_grad():
-        for n, p in module.policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=lora_b_std)
+    module = build_tiny_module(beta=beta, lora_b_std=lora_b_std, **{"lr": 1e-2, **optim})
     opt = module.configure_optimizers()
     module.trainer = SimpleNamespace(world_size=1)
     module.optimizers = lambda: opt["optimizer"]
@@ -126,19 +121,6 @@ def test_max_bad_steps_in_a_row_stop_with_a_clear_error():
 
 
 # ------------------------------------------------------------------------------- zero-signal and empty rollouts
-
-
-class ScriptedEngine(Engine):
-    """Returns given completions: ``texts[n]`` decoded from random token ids (or none for an empty completion)."""
-
-    def __init__(self, texts: list[str], lengths: list[int]) -> None:
-        self.texts, self.lengths = texts, lengths
-
-    def generate(self, module, prompt_ids, group_size, sampling, seeds=None):
-        assert len(prompt_ids) * group_size == len(self.texts)
-        g = torch.Generator().manual_seed(1)
-        ids = [torch.randint(10, 1000, (k,), generator=g).tolist() for k in self.lengths]
-        return Generation(ids, list(self.texts), sum(self.lengths))
 
 
 def _records(n: int = 2) -> list[dict]:

@@ -144,8 +144,10 @@ def test_undeclared_vector_reward_stops_at_once(module):
 
 
 def test_builtin_tasks_are_found_from_the_tasks_folder():
-    assert builtin_tasks() == ["code", "maze", "tooluse"]
+    assert builtin_tasks() == ["code", "eureqa", "livecodebench", "maze", "musique", "tooluse"]
     names = registry.registered_names()
-    assert {"format", "tool_name", "arg_key", "arg_value", "maze", "code_tests"} <= set(names)
+    assert {"format", "tool_name", "arg_key", "arg_value", "maze", "code_tests", "musique", "eureqa",
+            "lcb_tests"} <= set(names)
+    assert get_reward("musique").f_weights == (1.0, 1.0, 1.0, 1.0, 3.0) and get_reward("maze").f_weights is None
     assert get_reward("maze").dims == ("exit", "gold", "diamond", "safety")
     assert len(get_reward("code_tests").dims) == 16 and get_reward("code_tests").parallel

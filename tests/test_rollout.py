@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ScriptedEngine
 
-from vpo_lightning.engines import Engine, Generation
 from vpo_lightning.models import load_tokenizer
 from vpo_lightning.rollout import RolloutCallback, derive_seed
 
@@ -20,17 +20,6 @@ TOOLS = [{"name": "get_weather", "description": "weather", "parameters": {"type"
     "city": {"type": "string"}}, "required": ["city"]}}]
 GOOD = '<think>ok</think>\n<tool_call>\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n</tool_call>'
 WRONG = '<think>ok</think>\n<tool_call>\n{"name": "get_time", "parameters": {"zone": "CET"}}\n</tool_call>'
-
-
-class ScriptedEngine(Engine):
-    def __init__(self, texts):
-        self.texts, self.prompts = texts, []
-
-    def generate(self, module, prompt_ids, group_size, sampling, seeds=None):
-        self.prompts.append(prompt_ids)
-        texts = [self.texts[i % len(self.texts)] for i in range(len(prompt_ids) * group_size)]
-        ids = [module.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        return Generation(ids, texts, sum(map(len, ids)))
 
 
 @pytest.fixture(scope="module")

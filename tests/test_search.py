@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from vpo_lightning.cli import main as vpo
-from vpo_lightning.engines import Generation, TransformersEngine
 from vpo_lightning.search import chains_for
 from vpo_lightning.tasks.code import load_humaneval
 
@@ -58,30 +57,23 @@ def test_search_tiny_model_end_to_end(tmp_path, tiny_model_dir):
 
 
 @pytest.fixture()
-def scripted(monkeypatch, tmp_path):
+def scripted(script_generation, tmp_path):
     """Problem 0 is solved by the 3rd candidate it is given, problem 1 never; counts generations per problem."""
     records = [json.loads(line) for line in (REPO / "data/code/test.jsonl").read_text().splitlines()[:2]]
     gold = {p["task_id"]: p["canonical_solution"] for p in load_humaneval()}
     calls: Counter = Counter()
 
-    def generate(self, module, prompt_ids, group_size, sampling):
-        texts = []
-        for row in prompt_ids:
-            prompt = module.tokenizer.decode(row)
-            rec = next(r for r in records if f"def {r['ground_truth']['entry_point']}(" in prompt)
-            i = records.index(rec)
-            calls[i] += 1
-            good = "```python\n" + rec["ground_truth"]["prompt"] + gold[rec["id"]] + "```"
-            chain = "Give 3" in prompt  # the m-answer instruction
-            if chain:
-                blocks = [f"```python\n{WRONG}\n```"] * 2 + [good if i == 0 else f"```python\n{WRONG}\n```"]
-                texts.append("\n---\n".join(blocks))
-            else:
-                texts.append(good if i == 0 and calls[i] == 3 else WRONG)
-        ids = [module.tokenizer(t)["input_ids"] for t in texts]
-        return Generation(ids, texts, sum(map(len, ids)))
+    def answer(prompt: str, row: int) -> str:
+        rec = next(r for r in records if f"def {r['ground_truth']['entry_point']}(" in prompt)
+        i = records.index(rec)
+        calls[i] += 1
+        good = "```python\n" + rec["ground_truth"]["prompt"] + gold[rec["id"]] + "```"
+        if "Give 3" in prompt:  # the m-answer instruction
+            blocks = [f"```python\n{WRONG}\n```"] * 2 + [good if i == 0 else f"```python\n{WRONG}\n```"]
+            return "\n---\n".join(blocks)
+        return good if i == 0 and calls[i] == 3 else WRONG
 
-    monkeypatch.setattr(TransformersEngine, "generate", generate)
+    script_generation(answer)
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     return calls, data

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from vpo_lightning.runs import add_run_args, find_config, known, load_config, load_model, pick_device
-from vpo_lightning.tools import report_error
+from vpo_lightning.tools import run_command
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,9 @@ def _floats(t: Tensor) -> list[float]:
     return [round(float(v), 6) for v in t]
 
 
-def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
-    """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k)."""
+def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[float] | None = None) -> dict[str, Any]:
+    """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k, whose
+    scalar f is the mean over dimensions, or the weighted mean with the task's ``f_weights``)."""
     from vpo_lightning import metrics
     from vpo_lightning.protocol import derive_seed
 
@@ -217,7 +218,7 @@ def prompt_metrics(pool: PromptPool, seed: int, orders: int) -> dict[str, Any]:
     chain_pairs = m > 1 and bool((pool.mask.sum(-1) >= 2).any())
     return {
         "id": pool.record.get("id"), "category": (pool.record.get("meta") or {}).get("category"),
-        "best_at_k": _floats(metrics.best_at_k_curve(values, seed=key, num_seeds=orders)),
+        "best_at_k": _floats(metrics.best_at_k_curve(values, seed=key, num_seeds=orders, f_weights=f_weights)),
         "pass_at_k": _floats(metrics.pass_at_k_curve(solved.reshape(1, -1))),
         "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved[None])),
         "num_solved": int(solved.sum()), "num_present": int(present.sum()),
@@ -382,8 +383,9 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
                  pools: list[PromptPool]) -> dict[str, Any]:
     """The eval.json content: settings and provenance, per-prompt and aggregate metrics."""
     settings, info = run["settings"], run["info"]
-    per_prompt = [prompt_metrics(p, args.seed, args.orders) for p in pools]
     proto = sampler.protocol
+    f_weights = proto.reward_vector.f_weights
+    per_prompt = [prompt_metrics(p, args.seed, args.orders, f_weights) for p in pools]
     dims = proto.dim_names
     return {
         "format": FORMAT, "label": default_label(cfg, args, settings.name),
@@ -393,6 +395,7 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
         "training": training_tokens(args.ckpt or args.adapter, info["global_step"]),
         "estimator": proto.estimator, "m": proto.m, "n": args.n, "chains_per_prompt": args.n // proto.m,
         "tag_family": proto.tag_family, "sampling": asdict(sampler.sampling), "dim_names": dims,
+        "f_weights": f_weights,
         "rewards": proto.reward_names, "seed": args.seed, "prompt_seed": args.prompt_seed, "split": args.split,
         "data_file": run["data_file"], "max_prompt_tokens": run["limit"], "prompts_per_call": args.prompts_per_call,
         "best_at_k_orders": args.orders, "num_prompts": len(pools), "device": run["device"],
@@ -424,17 +427,14 @@ def run(args: argparse.Namespace) -> Path:
     return out
 
 
+def summary(report: dict[str, Any]) -> str:
+    """The one-line result of ``vpo eval``."""
+    agg, n = report["aggregate"], report["n"]
+    return (f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "
+            f"pass@{n} {agg['pass_at_k'][-1]:.3f}  diversity {agg['pairwise_l1_diversity']:.3f}  "
+            f"E_w best {agg['expected_best_weighted']:.3f}  ({report['num_prompts']} prompts, {agg['time_s']:.0f}s)")
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo eval``."""
-    args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        return report_error("vpo eval", err)
-    report = json.loads((out / "eval.json").read_text())
-    agg, n = report["aggregate"], report["n"]
-    print(f"{report['label']}: best@1 {agg['best_at_k'][0]:.3f}  best@{n} {agg['best_at_k'][-1]:.3f}  "
-          f"pass@{n} {agg['pass_at_k'][-1]:.3f}  diversity {agg['pairwise_l1_diversity']:.3f}  "
-          f"E_w best {agg['expected_best_weighted']:.3f}  ({report['num_prompts']} prompts, {agg['time_s']:.0f}s)")
-    print(f"wrote {out / 'eval.json'}")
-    return 0
+    return run_command("vpo eval", build_parser().parse_args(argv), run, "eval.json", summary)

@@ -59,10 +59,12 @@ def _as_padded(pool: Pool, mask: Tensor | None = None, name: str = "pool") -> tu
     return values, present
 
 
-def best_at_k_curve(pool: Pool, *, seed: int = 0, num_seeds: int = 1) -> Tensor:
+def best_at_k_curve(pool: Pool, *, seed: int = 0, num_seeds: int = 1,
+                    f_weights: Sequence[float] | None = None) -> Tensor:
     """best@k for k = 1..n: per prompt a seeded random order of its pool; curve[k-1] = max f over the first k.
 
-    f = mean over D. The curve is averaged over prompts and ``num_seeds`` orders (drawn from one generator seeded
+    f = mean over D, or the weighted mean with ``f_weights`` (one non-negative weight per dimension, e.g. MuSiQue's
+    (1, 1, 1, 1, 3)). The curve is averaged over prompts and ``num_seeds`` orders (drawn from one generator seeded
     with ``seed``). For a list of pools of different sizes the curve stops at the smallest pool (beyond it some
     prompt would have no k-th sample).
 
@@ -76,6 +78,13 @@ def best_at_k_curve(pool: Pool, *, seed: int = 0, num_seeds: int = 1) -> Tensor:
     if n_min < 1:
         raise ValueError("pool must hold at least one solution for every prompt")
     f = values.mean(dim=-1)  # [P, n]
+    if f_weights is not None:
+        w = torch.as_tensor(f_weights, dtype=values.dtype, device=values.device)  # [D]
+        if w.shape != values.shape[-1:] or bool((w < 0).any()) or not float(w.sum()) > 0:
+            raise ValueError(f"f_weights must be {values.shape[-1]} non-negative weights with a positive sum, "
+                             f"got {list(f_weights)}")
+        if bool((w != w[0]).any()):  # equal weights: the plain mean above, bit for bit
+            f = values @ (w / w.sum())  # [P, n]
     generator = torch.Generator().manual_seed(seed)
     keys = torch.rand((num_seeds, *f.shape), generator=generator, dtype=torch.float64).to(f.device)  # [S, P, n]
     keys = torch.where(present, keys, torch.full_like(keys, 2.0))  # padding sorts after every real sample

@@ -136,6 +136,15 @@ class RolloutCallback(L.Callback):
         self.engine.teardown()
 
     # ---- the rollout itself -------------------------------------------------------------------------------------
+    def _scalar_view(self, rewards: Tensor) -> Tensor:
+        """For the scalar baselines (grpo, max_at_k) of a task whose f is a weighted mean (rewards registered with
+        ``f_weights``, e.g. MuSiQue): ``[B, G, m, D] -> [B, G, m, 1]`` holding f, whose mean over the one dimension
+        the estimator takes is f itself. Other estimators and plain-mean tasks get ``rewards`` unchanged."""
+        w = torch.tensor(self.reward_vector.f_weights, dtype=rewards.dtype)  # [D]
+        if self.estimator not in ("grpo", "max_at_k") or not bool((w != w[0]).any()):
+            return rewards
+        return (rewards @ (w / w.sum())).clamp(0.0, 1.0).unsqueeze(-1)  # [B, G, m, 1]
+
     def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0) -> Rollout:
         records: list[dict] = batch["records"]
         indices = batch.get("indices", list(range(len(records))))
@@ -154,8 +163,8 @@ class RolloutCallback(L.Callback):
         scores = self.protocol.score(cands, samples)
         rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
         mask = scores.mask.view(B, G, self.m)  # [B, G, m]
-        adv = ESTIMATORS[self.estimator](rewards, mask, weights=weights, num_weights=self.num_weights,
-                                         alpha=self.alpha)  # [B, G]
+        adv = ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
+                                         num_weights=self.num_weights, alpha=self.alpha)  # [B, G]
         ids, attn, comp, P = build_rollout_tensors(prompts, gen, G, tok.pad_token_id)
         engine_lp = None
         if gen.engine_logprobs is not None:

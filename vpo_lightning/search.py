@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from vpo_lightning.runs import add_run_args
-from vpo_lightning.tools import report_error
+from vpo_lightning.tools import run_command
 
 log = logging.getLogger(__name__)
 
@@ -260,17 +260,14 @@ def run(args: argparse.Namespace) -> Path:
     return out
 
 
+def summary(report: dict[str, Any]) -> str:
+    """The one-line result of ``vpo search``."""
+    agg = report["aggregate"]
+    return (f"{report['label']}: {report['mode']} budget {report['budget']} (m = {report['m']}): solved "
+            f"{agg['num_solved']}/{report['num_prompts']} ({agg['solved_fraction']:.3f}), "
+            f"{agg['mean_candidates_used']:.1f} candidates used on average, {agg['time_s']:.0f}s")
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo search``."""
-    args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        return report_error("vpo search", err)
-    report = json.loads((out / "search.json").read_text())
-    agg = report["aggregate"]
-    print(f"{report['label']}: {report['mode']} budget {report['budget']} (m = {report['m']}): solved "
-          f"{agg['num_solved']}/{report['num_prompts']} ({agg['solved_fraction']:.3f}), "
-          f"{agg['mean_candidates_used']:.1f} candidates used on average, {agg['time_s']:.0f}s")
-    print(f"wrote {out / 'search.json'}")
-    return 0
+    return run_command("vpo search", build_parser().parse_args(argv), run, "search.json", summary)

@@ -6,8 +6,12 @@ Each lives in its own module with a ``main(argv: list[str]) -> int`` and is impo
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 COMMANDS = {
     "eval": "vpo_lightning.evaluate",
@@ -24,6 +28,19 @@ def report_error(command: str, err: BaseException) -> int:
         raise err
     print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
     return 2
+
+
+def run_command(command: str, args: Any, run: Callable[[Any], Path], report_name: str,
+                summary: Callable[[dict[str, Any]], str]) -> int:
+    """Run a subcommand's ``run(args)`` (which returns its output folder), then print ``summary`` of the JSON report
+    it wrote there and where it is; bad input gets a one-line error and exit code 2 (:func:`report_error`)."""
+    try:
+        out = run(args)
+    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
+        return report_error(command, err)
+    print(summary(json.loads((out / report_name).read_text())))
+    print(f"wrote {out / report_name}")
+    return 0
 
 
 def main(argv: list[str]) -> int:

@@ -46,20 +46,27 @@ class RewardEntry:
     fn: RewardFn
     dims: tuple[str, ...]
     parallel: bool = False  # candidates scored in a thread pool (rewards that wait on sandbox subprocesses)
+    f_weights: tuple[float, ...] | None = None  # weights of the task's scalar f over dims (None: plain mean)
 
 
 REWARDS: dict[str, RewardEntry] = {}
 
 
 def register(
-    name: str, *, dims: Sequence[str] | None = None, parallel: bool = False
+    name: str, *, dims: Sequence[str] | None = None, parallel: bool = False,
+    f_weights: Sequence[float] | None = None,
 ) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register ``fn`` under ``name``. ``dims`` declares a vector reward's dimension names."""
+    """Decorator: register ``fn`` under ``name``. ``dims`` declares a vector reward's dimension names;
+    ``f_weights`` (one non-negative weight per dimension) makes the task's scalar f, used by ``vpo eval`` for
+    best@k, a weighted mean instead of the plain mean (MuSiQue: f = (sum of hops + 3 * answer_f1) / 7)."""
+    names = tuple(dims) if dims else (name,)
+    if f_weights is not None and (len(f_weights) != len(names) or min(f_weights) < 0 or not sum(f_weights) > 0):
+        raise ValueError(f"reward {name!r}: f_weights needs {len(names)} non-negative weights with a positive sum")
 
     def wrap(fn: RewardFn) -> RewardFn:
         if name in REWARDS and REWARDS[name].fn is not fn:
             raise ValueError(f"reward {name!r} is registered twice ({REWARDS[name].fn.__module__} and {fn.__module__})")
-        REWARDS[name] = RewardEntry(name, fn, tuple(dims) if dims else (name,), parallel)
+        REWARDS[name] = RewardEntry(name, fn, names, parallel, tuple(map(float, f_weights)) if f_weights else None)
         return fn
 
     return wrap
@@ -166,6 +173,11 @@ class RewardVector:
     @property
     def dim(self) -> int:
         return len(self.dim_names)
+
+    @property
+    def f_weights(self) -> list[float]:
+        """Per-dimension weights of the scalar f (1 for rewards registered without ``f_weights``)."""
+        return [w for e in self.entries for w in (e.f_weights or (1.0,) * len(e.dims))]
 
     def _call(self, entry: RewardEntry, candidate: str, sample: Mapping[str, Any], errors: list[str]) -> list[float]:
         zeros = [0.0] * len(entry.dims)

@@ -3,3 +3,20 @@
 ``python -m vpo_lightning.tasks.<name>.build``). Every package in this folder is a built-in task: see
 docs/ADDING_A_TASK.md.
 """
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path, **dumps_kwargs: Any) -> int:
+    """Write one JSON object per line (UTF-8 text, no ASCII escaping; ``dumps_kwargs`` go to ``json.dumps``, e.g.
+    ``sort_keys=True``), creating the folder; returns the number of bytes written."""
+    data = "".join(json.dumps(r, ensure_ascii=False, **dumps_kwargs) + "\n" for r in records).encode("utf-8")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return len(data)

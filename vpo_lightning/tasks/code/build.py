@@ -10,7 +10,6 @@ sandbox and fails unless each passes all of its tests.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vpo_lightning.tasks import write_jsonl
 from vpo_lightning.tasks.code import canonical_candidate, load_humaneval, make_record, score_candidates
 
 SPLIT_SIZES = {"test": 64, "val": 20}  # train: the rest
@@ -38,14 +38,6 @@ def build_splits(problems: Sequence[dict[str, Any]], seed: int = 0) -> dict[str,
     n_test, n_val = SPLIT_SIZES["test"], SPLIT_SIZES["val"]
     chosen = {"test": order[:n_test], "val": order[n_test : n_test + n_val], "train": order[n_test + n_val :]}
     return {name: [make_record(problems[i], name) for i in sorted(idx)] for name, idx in chosen.items()}
-
-
-def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """Write one JSON object per line (UTF-8, no ASCII escaping)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def verify(problems: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]]) -> list[str]:

@@ -9,12 +9,12 @@ Each split draws generator seeds from its own disjoint range (train from 0, val 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vpo_lightning.tasks import write_jsonl
 from vpo_lightning.tasks.maze import generate_maze, make_record
 
 SEED_OFFSETS = {"train": 0, "val": 1_000_000, "test": 2_000_000}
@@ -23,14 +23,6 @@ SEED_OFFSETS = {"train": 0, "val": 1_000_000, "test": 2_000_000}
 def build_split(split: str, count: int) -> list[dict[str, Any]]:
     """``count`` records of ``split``, from seeds ``SEED_OFFSETS[split] + i``."""
     return [make_record(generate_maze(SEED_OFFSETS[split] + i), split, i) for i in range(count)]
-
-
-def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """Write one compact JSON object per line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for split in ("train", "val", "test"):
         records = build_split(split, getattr(args, split))
-        write_jsonl(records, args.out / f"{split}.jsonl")
+        write_jsonl(records, args.out / f"{split}.jsonl", separators=(",", ":"))
         print(f"{args.out / f'{split}.jsonl'}: {len(records)} mazes")
     return 0
 

@@ -23,10 +23,11 @@ import importlib.metadata
 import importlib.util
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vpo_lightning.tasks import write_jsonl
 from vpo_lightning.tasks.tooluse import build_messages
 
 SEED = 20250
@@ -146,14 +147,6 @@ def dumps_record(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False, sort_keys=True)
 
 
-def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write records as JSON lines (each ending in a newline); returns the number of bytes written."""
-    data = "".join(dumps_record(r) + "\n" for r in records).encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return len(data)
-
-
 def generate(out_dir: Path, data_dir: Path | None = None, seed: int = SEED) -> dict[str, int]:
     """Write ``{train,val,test}.jsonl`` into ``out_dir``.
 
@@ -162,7 +155,7 @@ def generate(out_dir: Path, data_dir: Path | None = None, seed: int = SEED) -> d
     """
     splits = build_splits(data_dir or bfcl_data_dir(), seed)
     for name, records in splits.items():
-        write_jsonl(Path(out_dir) / f"{name}.jsonl", records)
+        write_jsonl(records, Path(out_dir) / f"{name}.jsonl", sort_keys=True)  # = dumps_record per line
     return {name: len(records) for name, records in splits.items()}
 
 

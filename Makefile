@@ -21,6 +21,9 @@ COMPILE = $(UV) pip compile --quiet --generate-hashes --python-version 3.11 --py
 .PHONY: setup fit test test-fast lint lock upgrade clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK) requirements/nodeps.txt
+	# the code sandbox's kernel isolation (bubblewrap), installed only when missing
+	command -v bwrap >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && apt-get install -y -qq bubblewrap; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps $(PIP_EXTRA) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     no_vllm = pytest.mark.skip(reason="needs vllm (pip install 'vpo-lightning[vllm]')")
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():  # not keywords: they hold path names
             item.add_marker(no_cuda)
-        if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
+        if item.get_closest_marker("vllm") and importlib.util.find_spec("vllm") is None:
             item.add_marker(no_vllm)
 
 

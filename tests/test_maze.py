@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from vpo_lightning.tasks.maze import (
     DIMS,
     SIZE,
+    SIZES,
     Maze,
+    check_maze,
+    draw_main,
     draw_maze,
     generate_maze,
     make_record,
@@ -46,7 +49,7 @@ def _independent_exit_moves(maze: Maze) -> dict[frozenset, int]:
             continue
         for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
             r, c = cell[0] + dr, cell[1] + dc
-            if 0 <= r < SIZE and 0 <= c < SIZE and maze.grid[r][c] != "#":
+            if 0 <= r < len(maze.grid) and 0 <= c < len(maze.grid) and maze.grid[r][c] != "#":
                 new = ((r, c), seen | ({(r, c)} & zone))
                 if new not in dist:
                     dist[new] = dist[state] + 1
@@ -223,3 +226,141 @@ def test_data_files() -> None:
         assert maze == generate_maze(records[0]["meta"]["seed"])
         assert maze_reward(" ".join(shortest_route(maze, 0b000111)), records[0])[:2] == [1.0, 1.0]
     assert not (seeds["train"] & seeds["val"] or seeds["train"] & seeds["test"] or seeds["val"] & seeds["test"])
+
+
+# ---- sizes and the shaped reward mode -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sized_mazes() -> dict[int, list[Maze]]:
+    return {size: [generate_maze(s, size, rules="shaped" if s % 2 else "sparse") for s in range(12)] for size in SIZES}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_guarantees_hold_for_every_size(size: int, sized_mazes: dict[int, list[Maze]]) -> None:
+    """Opposite corners, zones on the other corners, and the budget (one full zone + exit fits, a route touching
+    both zones does not, a lava-free route fits), checked by check_maze and by an independent BFS."""
+    n = size - 1
+    for m in sized_mazes[size]:
+        assert check_maze(m) == [], (size, m.seed)
+        assert len(m.grid) == size and all(len(row) == size for row in m.grid)
+        assert m.exit == (n - m.start[0], n - m.start[1]) and m.start in {(0, 0), (0, n), (n, 0), (n, n)}
+        assert {m.gold[0], m.diamond[0]} == {(0, 0), (0, n), (n, 0), (n, n)} - {m.start, m.exit}
+        best = _independent_exit_moves(m)
+        full_gold = min(d for seen, d in best.items() if set(m.gold) <= seen)
+        full_dia = min(d for seen, d in best.items() if set(m.diamond) <= seen)
+        both = min((d for seen, d in best.items() if seen & set(m.gold) and seen & set(m.diamond)), default=10**9)
+        assert max(full_gold, full_dia) <= m.budget < both, (size, m.seed)
+        gold, dia = simulate(m, shortest_route(m, 0b000111)), simulate(m, shortest_route(m, 0b111000))
+        assert gold.reward[:3] == [1.0, 1.0, 0.0] and dia.reward[:3] == [1.0, 0.0, 1.0]
+
+
+def test_nine_by_nine_default_is_unchanged() -> None:
+    """The paper's setting stays the default: size 9, sparse rules, the shipped data regenerates exactly."""
+    assert generate_maze(5) == generate_maze(5, 9, rules="sparse") and generate_maze(5).rules == "sparse"
+    first = json.loads((DATA / "val.jsonl").read_text().splitlines()[0])
+    maze = Maze.from_dict(first["ground_truth"])  # an old record (no "rules" key) reads as sparse
+    assert maze.rules == "sparse" and make_record(maze, "val", 0)["messages"] == first["messages"]
+
+
+def test_check_maze_reports_broken_mazes() -> None:
+    assert check_maze(HAND) == []
+    loose = Maze(HAND.grid, HAND.start, HAND.exit, HAND.gold, HAND.diamond, HAND.lava, budget=30)
+    assert any("budget 30" in p for p in check_maze(loose))
+    moved = Maze(HAND.grid, (0, 1), HAND.exit, HAND.gold, HAND.diamond, HAND.lava, budget=10)
+    assert "start and exit are not on opposite corners" in check_maze(moved)
+    with pytest.raises(ValueError, match="size must be one of"):
+        generate_maze(0, 6)
+    with pytest.raises(ValueError, match="rules must be one of"):
+        generate_maze(0, 5, rules="dense")
+
+
+SHAPED = Maze(HAND.grid, HAND.start, HAND.exit, HAND.gold, HAND.diamond, HAND.lava, budget=10, rules="shaped")
+
+
+# Hand-worked on HAND (drawn above): the walking distance from S (0,0) to E (4,4) is d0 = 8; e = 1 at the exit,
+# else 0.5 * (8 - d) / 8 with d the distance left; the vector is e * [1, gold, diamond, 1 - lava fraction].
+@pytest.mark.parametrize(
+    ("route", "reward"),
+    [
+        ("R R R R D D D D", [1.0, 1.0, 0.0, 1.0]),  # as in sparse
+        ("D D D D R R R R", [1.0, 0.0, 1.0, 0.875]),  # as in sparse: lava (4,3) on 1 of 8 moves
+        ("R R R D R D D D D", [1.0, 1.0, 0.0, 1.0]),  # D at (0,3) hits a wall: skipped, 9 moves <= 10
+        ("R R", [0.125, 0.0, 0.0, 0.125]),  # stops at (0,2), d = 6: e = 0.5 * 2/8
+        ("D D D D", [0.25, 0.0, 0.25 * 2 / 3, 0.25]),  # (4,0), d = 4: e = 0.25; diamonds (3,0) (4,0) of 3
+        ("R R D D", [0.25, 0.0, 0.0, 0.1875]),  # (2,2), d = 4: e = 0.25; lava (1,2) on 1 of 4 moves
+        ("down down down right", [0.1875, 0.0, 0.0625, 0.1875]),  # R into (3,1) skipped; (3,0), d = 5: e = 3/16
+        ("D D D D R R L L R R R R", [0.375, 0.0, 0.375, 0.375]),  # budget 10: stops at (4,2), d = 2, 3 diamonds
+        ("U U", [0.0] * 4),  # both off the grid: skipped, no progress
+        ("", [0.0] * 4),
+    ],
+)
+def test_shaped_rewards_on_hand_worked_routes(route: str, reward: list[float]) -> None:
+    assert maze_reward(route, {"ground_truth": SHAPED.to_dict()}) == pytest.approx(reward)
+    sparse = maze_reward(route, {"ground_truth": HAND.to_dict()})
+    assert sparse == pytest.approx(reward) or sparse == [0.0] * 4  # shaped only adds credit where sparse gives 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from("UDLR"), max_size=40), st.integers(0, 5), st.sampled_from(SIZES))
+def test_shaped_keeps_the_trade_off(moves: list[str], seed: int, size: int) -> None:
+    """No route scores 1 on every dimension: at the exit the budget forbids both zones; short of it e <= 0.5."""
+    values = simulate(_shaped(seed, size), moves).reward
+    assert len(values) == 4 and all(0.0 <= v <= 1.0 for v in values)
+    if values[0] == 1.0:
+        assert not (values[1] > 0 and values[2] > 0)
+    else:
+        assert max(values) <= 0.5 and all(v <= values[0] + 1e-12 for v in values)
+
+
+@cache
+def _shaped(seed: int, size: int) -> Maze:
+    return generate_maze(seed, size, rules="shaped")
+
+
+def test_shaped_prompt_and_record() -> None:
+    maze = generate_maze(1, 5, rules="shaped")
+    record = make_record(maze, "val", 1)
+    user = record["messages"][1]["content"]
+    assert "5x5 maze" in user and "is skipped" in user and "partial credit" in user and "    0 1 2 3 4\n" in user
+    assert record["id"] == "maze5-shaped-val-00001" and record["meta"]["rules"] == "shaped"
+    assert record["meta"]["size"] == 5 and record["ground_truth"]["rules"] == "shaped"
+    assert "makes the route invalid" in make_record(generate_maze(1, 5), "val", 1)["messages"][1]["content"]
+
+
+@pytest.mark.parametrize(("folder", "size"), [("5x5_shaped", 5), ("7x7_shaped", 7)])
+def test_small_model_splits(folder: str, size: int) -> None:
+    """The shipped small-model splits: their settings, regenerable, and seeds disjoint from every other split."""
+    from vpo_lightning.tasks.maze.build import SETTINGS
+
+    seeds: dict[str, set[int]] = {}
+    for path in sorted(DATA.glob("**/*.jsonl")):
+        lines = path.read_text().splitlines()
+        seeds[str(path.relative_to(DATA))] = {json.loads(line)["meta"]["seed"] for line in lines}
+    for split in ("train", "val", "test"):
+        lines = (DATA / folder / f"{split}.jsonl").read_text().splitlines()
+        for line in lines[:: max(1, len(lines) // 5)]:
+            record = json.loads(line)
+            maze = Maze.from_dict(record["ground_truth"])
+            assert maze.rules == "shaped" and len(maze.grid) == size and check_maze(maze) == []
+            assert maze == generate_maze(record["meta"]["seed"], size, rules="shaped")
+    names = sorted(seeds)
+    assert len(names) == 9 and SETTINGS[(size, "shaped")][0] == f"data/maze/{folder}"
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not seeds[a] & seeds[b], (a, b)
+
+
+def test_draw_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "mazes.jsonl"
+    data.write_text(json.dumps(make_record(SHAPED, "test", 0)) + "\n")
+    chain = "<route_1>R R R R D D D D</route_1> <route_2>D D D D R R R R</route_2> <route_3>R R D D</route_3>"
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("\n".join(json.dumps({"id": "maze5-shaped-test-00000", "chain": c, "text": t, "rewards": []})
+                                  for c, t in enumerate([chain, "<route>R R</route>"])) + "\n")
+    out = tmp_path / "maze.png"
+    assert draw_main(["--data", str(data), "--samples", str(samples), "--chains", "0", "1", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "4 routes" in capsys.readouterr().out
+    assert draw_main(["--data", str(data), "--samples", str(samples), "--chains", "5", "--out", str(out)]) == 2
+    assert "no chain 5" in capsys.readouterr().err
+    assert draw_main(["--data", str(data), "--id", "nope", "--route", "R", "--out", str(out)]) == 2

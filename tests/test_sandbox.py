@@ -6,6 +6,7 @@ the guard off through ``run_python`` to check the OS layer alone (root isolation
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import subprocess
@@ -25,7 +26,7 @@ PROBLEM = {
     "tests": ["assert candidate(1, 2) == 3", "assert candidate(0, 0) == 0", "assert candidate(-1, 1) == 0"],
 }
 OS_LAYER = pytest.mark.skipif(
-    sandbox.isolation_info()["kind"] != "root", reason="the OS layer (namespaces + private uid) needs root"
+    sandbox.isolation_info()["kind"] not in ("root", "userns"), reason="needs kernel isolation (bubblewrap)"
 )
 
 
@@ -35,24 +36,35 @@ def score(body: str, header: str = "", **kwargs: float) -> list[bool]:
     return run_tests(f"```python\n{code}```", PROBLEM, **{"test_timeout_s": 1.0, "total_timeout_s": 3.0, **kwargs})
 
 
+def _ours(uid: int) -> bool:
+    """A uid of this test process's sandbox pool (other helpers on a shared machine have their own pools)."""
+    base = 1_000_000 + (os.getpid() % 1_000_000) * 64
+    return base <= uid < base + 64
+
+
+def _processes() -> list[tuple[int, int, str, str]]:
+    out = subprocess.run(["ps", "-eo", "uid=,ppid=,stat=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) + [""] for line in out.splitlines()]
+    return [(int(r[0]), int(r[1]), r[2], r[3].strip()) for r in rows]
+
+
 def _zombies() -> int:
-    """Zombie processes of sandbox uids or sandbox commands (other zombies on the machine are not ours)."""
-    out = subprocess.run(["ps", "-eo", "uid=,stat=,comm="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) + [""] for line in out.splitlines()]
-    return sum(r[1].startswith("Z") and (int(r[0]) >= 1_000_000 or r[2].strip() == "unshare") for r in rows)
+    """Zombies of our sandbox uids or our children (other zombies on the machine are not ours)."""
+    return sum(stat.startswith("Z") and (_ours(uid) or ppid == os.getpid()) for uid, ppid, stat, _ in _processes())
 
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
-    """Every test: no sandbox directory, sandbox-uid process or new zombie is left behind, and we are alive."""
+    """Every test: no sandbox directory (weak mode), sandbox-uid process or new zombie is left behind, and we are
+    alive."""
     dirs, zombies = set(glob.glob("/tmp/vpo-sandbox-*")), _zombies()
     os.environ["VPO_TEST_SECRET"] = SECRET
     yield
-    assert set(glob.glob("/tmp/vpo-sandbox-*")) <= dirs
+    if sandbox.isolation_info()["kind"] == "weak":
+        assert set(glob.glob("/tmp/vpo-sandbox-*")) <= dirs
     time.sleep(0.05)
     assert _zombies() <= zombies
-    uids = subprocess.run(["ps", "-eo", "uid="], capture_output=True, text=True).stdout.split()
-    assert not [u for u in uids if int(u) >= 1_000_000], "a sandbox process survived"
+    assert not [p for p in _processes() if _ours(p[0])], "a sandbox process survived"
 
 
 def test_honest_candidate_passes() -> None:
@@ -94,7 +106,11 @@ def test_memory_bomb(guard: bool) -> None:
 @pytest.mark.parametrize("target", [str(REPO / "pwned.txt"), "/tmp/vpo-pwned.txt"])
 def test_write_outside_its_directory(target: str) -> None:
     body = f"open({target!r}, 'w').write('x')\nreturn a + b"
-    assert score(body) == [False, False, False]
+    scores = score(body)
+    if target.startswith("/tmp/") and sandbox.isolation_info()["kind"] in ("root", "userns"):
+        assert scores == [True, True, True]  # the sandbox's /tmp is its own run directory
+    else:
+        assert scores == [False, False, False]
     assert not os.path.exists(target)
 
 
@@ -102,7 +118,7 @@ def test_write_outside_its_directory(target: str) -> None:
 def test_write_project_dir_os_layer() -> None:
     target = REPO / "pwned.txt"
     result = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')", guard=False)
-    assert "PermissionError" in result.stderr and not target.exists()
+    assert ("PermissionError" in result.stderr or "FileNotFoundError" in result.stderr) and not target.exists()
 
 
 def test_writes_inside_its_directory_work() -> None:
@@ -137,7 +153,7 @@ def test_environment_secrets() -> None:
     assert score(proc.format(s=SECRET) + "\nreturn -1") == [False, False, False]
     result = sandbox.run_python("import os\nprint(sorted(os.environ))")
     assert SECRET not in result.stdout and "VPO_TEST_SECRET" not in result.stdout
-    assert result.stdout.strip() == "['HOME', 'LANG', 'PATH', 'TMPDIR']"
+    assert set(ast.literal_eval(result.stdout)) <= {"HOME", "LANG", "PATH", "TMPDIR", "PWD"}
 
 
 @OS_LAYER
@@ -192,7 +208,7 @@ def test_rigged_objects_cannot_cross_the_boundary() -> None:
 
 
 def test_patching_the_server_only_changes_its_own_answers() -> None:
-    header = "import __main__\n__main__.encode = lambda v, _d=0: 3\n"
+    header = "import sys\nsys.modules['_child'].encode = lambda v, _d=0: 3\n"
     # the patched encoder answers 3 to every call: exactly as if the function returned 3
     assert score("return 0", header=header) == [True, False, False]
 

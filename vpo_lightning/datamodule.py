@@ -35,6 +35,9 @@ def _check_record(record: Any, where: str) -> None:
             raise ValueError(f"{where}: messages[{i}] must be {{'role': one of {sorted(_ROLES)}, 'content': str}}")
     if messages[-1]["role"] != "user":
         raise ValueError(f"{where}: the last message must have role 'user' (the prompt to answer)")
+    from vpo_lightning.tasks.code.build import check_code_record
+
+    check_code_record(record, where)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

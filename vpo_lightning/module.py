@@ -11,7 +11,7 @@ import logging
 import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import lightning as L
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from vpo_lightning.checkpointing import pause_point
+from vpo_lightning.dynamic_sampling import rows_to_train
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
 from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
 from vpo_lightning.packing import packed_micro_batches, packing_enabled
@@ -197,6 +198,18 @@ class VPOModule(L.LightningModule):
                     mb["old"] = self.completion_logprobs(self.policy, mb, ro.temperature)
         return mbs
 
+    def _rows_with_gradient(self, ro: Rollout) -> Rollout:
+        """``ro`` without the chains whose loss is exactly zero (zero advantage when beta = 0; see
+        :func:`~vpo_lightning.dynamic_sampling.rows_to_train`): their forward and backward passes are skipped."""
+        rows = rows_to_train(ro.advantages, self.loss_settings.beta)  # [n]
+        if len(rows) == len(ro.advantages):
+            return ro
+        return replace(ro, input_ids=ro.input_ids[rows], attention_mask=ro.attention_mask[rows],
+                       completion_mask=ro.completion_mask[rows], advantages=ro.advantages[rows],
+                       rewards=ro.rewards[rows], candidate_mask=ro.candidate_mask[rows],
+                       texts=[ro.texts[i] for i in rows.tolist()],
+                       engine_logprobs=None if ro.engine_logprobs is None else ro.engine_logprobs[rows])
+
     def _micro_batches(self, ro: Rollout) -> list[dict[str, Tensor]]:
         size = self.optim_settings.micro_batch_size
         attn_impl = self.model_settings.attn_implementation
@@ -235,6 +248,11 @@ class VPOModule(L.LightningModule):
             stats = {**stats, "loss": loss, "entropy": masked_mean(ent.detach(), mb["completion_mask"])}
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * float(v.detach() if torch.is_tensor(v) else v)
+        if not mbs:  # every chain skipped (beta = 0, no advantage): zero gradients, as the full pass would give
+            for p in self.policy.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            totals["loss"] = 0.0
         return totals
 
     def _optimizer_step(self) -> tuple[bool, float]:
@@ -254,8 +272,9 @@ class VPOModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         ro: Rollout = batch["rollout"]
         t0 = time.perf_counter()
-        mbs = self._prepare(ro)
-        gap = self._engine_gap(ro, mbs) if ro.engine_logprobs is not None else None
+        trained_ro = self._rows_with_gradient(ro)  # beta = 0: chains with zero advantage carry no gradient
+        mbs = self._prepare(trained_ro)
+        gap = self._engine_gap(trained_ro, mbs) if trained_ro.engine_logprobs is not None and mbs else None
         for _ in range(self.optim_settings.num_iterations):
             stats = self._backward_pass(ro, mbs)
             if math.isfinite(stats["loss"]):
@@ -264,7 +283,7 @@ class VPOModule(L.LightningModule):
                 self.optimizers().zero_grad(set_to_none=True)
                 ok, grad_norm = False, float("nan")
             self._guard(ok, stats)
-        trained = float(ro.completion_mask.sum())
+        trained = float(trained_ro.completion_mask.sum())
         step_time = time.perf_counter() - t0
         logged = {f"train/{k}": v for k, v in stats.items()}
         logged.update({f"train/{k}": v for k, v in ro.metrics.items()})
@@ -272,6 +291,7 @@ class VPOModule(L.LightningModule):
             "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(not ok),
             "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": _peak_rss_gb(),
             "train/lr": self.lr_schedulers().get_last_lr()[0],
+            "train/skipped_chains": float(len(ro.advantages) - len(trained_ro.advantages)),
         })
         if gap is not None:
             logged["train/engine_logprob_gap"] = gap

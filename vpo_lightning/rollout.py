@@ -25,6 +25,7 @@ from torch import Tensor
 from vpo_lightning import metrics
 from vpo_lightning.advantages import ESTIMATORS, set_rewards
 from vpo_lightning.checkpointing import pause_point
+from vpo_lightning.dynamic_sampling import DynamicSamplingSettings, Round, fill_batch
 from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
 from vpo_lightning.models import prompt_token_ids
 from vpo_lightning.protocol import ChainProtocol, Estimator, Rollout, build_rollout_tensors, derive_seed
@@ -56,7 +57,10 @@ class RolloutCallback(L.Callback):
             ``<run dir>/completions/rank<r>.jsonl`` for later analysis.
         max_generated_tokens: stop training after the optimizer step at which the run (all ranks) has generated
             this many tokens; ``trainer.max_steps`` stays a cap. For baselines matched on compute, not on steps
-            (a VPO chain and a GRPO answer differ in length). None = no token budget.
+            (a VPO chain and a GRPO answer differ in length). None = no token budget. Tokens of dynamic sampling's
+            extra rounds count.
+        dynamic_sampling: DAPO filter groups: draw more prompts when groups have zero reward spread and train only
+            on groups with signal, at most ``max_extra_rounds`` extra generation rounds per step (one process only).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class RolloutCallback(L.Callback):
         reward_workers: int | None = None,
         save_completions: bool = False,
         max_generated_tokens: int | None = None,
+        dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings(),  # noqa: B008 - never mutated
     ) -> None:
         _validate(estimator, num_candidates, group_size, num_weights, alpha)
         if max_generated_tokens is not None and max_generated_tokens < 1:
@@ -87,6 +92,10 @@ class RolloutCallback(L.Callback):
         self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
         self.reward_vector = self.protocol.reward_vector
         self.max_generated_tokens = max_generated_tokens
+        if dynamic_sampling.max_extra_rounds < 0:
+            raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
+                             f"{dynamic_sampling.max_extra_rounds}")
+        self.dynamic_sampling = dynamic_sampling
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
 
@@ -99,6 +108,9 @@ class RolloutCallback(L.Callback):
     # ---- Lightning hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         pl_module.reward_dim_names = self.reward_vector.dim_names
+        if self.dynamic_sampling.enabled and trainer.world_size > 1:
+            raise ValueError("rollout.dynamic_sampling.enabled is not supported with several processes yet (ranks "
+                             "would keep different numbers of groups); run on one device or turn it off")
 
     def _ensure_engine(self, pl_module: L.LightningModule) -> None:
         if not self._engine_ready:  # after configure_model, so the engine sees the loaded policy
@@ -107,7 +119,9 @@ class RolloutCallback(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
         self._ensure_engine(pl_module)
-        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank)
+        stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
+        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
+                                        pool=getattr(stream, "records", None))
         tokens = batch["rollout"].metrics["rollout/tokens"]
         if trainer.world_size > 1:  # every rank must agree on when the budget runs out
             tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
@@ -145,14 +159,53 @@ class RolloutCallback(L.Callback):
             return rewards
         return (rewards @ (w / w.sum())).clamp(0.0, 1.0).unsqueeze(-1)  # [B, G, m, 1]
 
-    def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0) -> Rollout:
+    def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0,
+                pool: list[dict] | None = None) -> Rollout:
+        """Sample, score and compute advantages for ``batch``; with dynamic sampling on a training step (step >= 0),
+        refill flat groups with prompts from ``pool`` (the training records; see :mod:`~vpo_lightning.dynamic_sampling`)
+        and replace ``batch["records"]``/``["indices"]`` with the groups kept."""
         records: list[dict] = batch["records"]
         indices = batch.get("indices", list(range(len(records))))
+        rnd = self._round(pl_module, records, indices, step, rank)
+        dyn: dict[str, float] = {}
+        if self.dynamic_sampling.enabled and step >= 0 and pool:
+            def draw(idx: list[int], r: int) -> Round:
+                return self._round(pl_module, [pool[i] for i in idx], idx, step, rank, r)
+
+            rnd, dyn = fill_batch(rnd, draw, len(pool), len(records), self.dynamic_sampling.max_extra_rounds,
+                                  derive_seed(self.seed, "refill", step, rank))
+            if dyn["dynamic/extra_rounds"] or len(rnd.records) != len(records):
+                rnd.advantages = ESTIMATORS[self.estimator](  # recomputed: gdpo whitens over the whole batch
+                    self._scalar_view(rnd.rewards), rnd.mask, weights=rnd.weights, num_weights=self.num_weights,
+                    alpha=self.alpha)
+            batch["records"], batch["indices"] = rnd.records, rnd.indices
+        B, G = len(rnd.records), self.group_size
+        gen = Generation(rnd.completion_ids, rnd.texts, rnd.num_tokens, rnd.engine_logprobs)
+        ids, attn, comp, P = build_rollout_tensors(rnd.prompts, gen, G, pl_module.tokenizer.pad_token_id)
+        engine_lp = None
+        if gen.engine_logprobs is not None:
+            engine_lp = torch.zeros_like(comp)  # [N, L]
+            for i, lp in enumerate(gen.engine_logprobs):
+                engine_lp[i, : len(lp)] = torch.tensor(lp)
+        rewards, mask = rnd.rewards.reshape(B * G, self.m, -1), rnd.mask.reshape(B * G, self.m)  # [N, m, D], [N, m]
+        scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
+        stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,
+                              float(rnd.extra.get("gen_time", 0.0)))
+        if dyn:  # every round's tokens count toward the budget (rollout/tokens); the kept ones are trained on
+            stats.update(dyn)
+            stats["rollout/tokens"] = dyn["dynamic/total_tokens"]
+            stats["rollout/tokens_per_s"] = dyn["dynamic/total_tokens"] / max(stats["rollout/time_s"], 1e-9)
+        return Rollout(ids, attn, comp, P, rnd.advantages.reshape(-1), rewards, mask, rnd.texts,
+                       self.sampling.temperature, self.sampling.max_new_tokens, engine_lp, stats)
+
+    def _round(self, pl_module: Any, records: list[dict], indices: list[int], step: int, rank: int,
+               round_: int = 0) -> Round:
+        """Generate G chains for each of ``records`` and score them (one generation round of a step)."""
         B, G, tok = len(records), self.group_size, pl_module.tokenizer
         weights = self.protocol.step_weights(indices, step)  # [B, K, D] or None
         prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]))
                    for b, r in enumerate(records)]
-        torch.manual_seed(derive_seed(self.seed, "sample", step, rank))
+        torch.manual_seed(derive_seed(self.seed, "sample", step, rank, *([round_] if round_ else [])))
         pause_point("generate", step)  # a no-op outside the kill-and-resume tests
         t0 = time.perf_counter()
         seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
@@ -165,15 +218,9 @@ class RolloutCallback(L.Callback):
         mask = scores.mask.view(B, G, self.m)  # [B, G, m]
         adv = ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
                                          num_weights=self.num_weights, alpha=self.alpha)  # [B, G]
-        ids, attn, comp, P = build_rollout_tensors(prompts, gen, G, tok.pad_token_id)
-        engine_lp = None
-        if gen.engine_logprobs is not None:
-            engine_lp = torch.zeros_like(comp)  # [N, L]
-            for i, lp in enumerate(gen.engine_logprobs):
-                engine_lp[i, : len(lp)] = torch.tensor(lp)
-        stats = self._metrics(rewards, mask, adv, weights, scores, gen, gen_time)
-        return Rollout(ids, attn, comp, P, adv.reshape(-1), scores.rewards, scores.mask, gen.texts,
-                       self.sampling.temperature, self.sampling.max_new_tokens, engine_lp, stats)
+        return Round(list(records), list(indices), prompts, gen.completion_ids, gen.texts, rewards, mask, adv,
+                     weights, gen.num_tokens, gen.engine_logprobs,
+                     {"gen_time": gen_time, "errors": scores.num_errors})
 
     def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
                  gen: Generation, gen_time: float) -> dict[str, float]:

@@ -20,10 +20,11 @@ HumanEval's canonical solutions are: prompt + candidate (if that does not compil
 spaces is tried). A program that does not compile scores 0 everywhere without starting a process. The program
 runs with ``__name__ == "__sandbox__"``, so ``if __name__ == "__main__":`` demos do not run.
 
-Checking. The program runs in a :class:`vpo_lightning.sandbox.FunctionSession`; the test code (trusted data from
-this repository) runs in the reward process with ``candidate`` bound to a proxy that calls the sandboxed function
-and gets plain data back. The verdict is therefore computed where no candidate code runs: printed markers,
-patched builtins, ``sys.exit``/``os._exit`` or rigged ``__eq__`` objects cannot turn a failure into a pass. A test
+Checking. The program runs in a :class:`vpo_lightning.sandbox.FunctionSession`; the test code, the prompt's helpers
+and the preamble (data: never executed in the trainer) run in a second sandboxed session, the checker, with
+``candidate`` bound to a proxy whose calls the trainer relays, as undecoded bytes, to the candidate's process. The
+verdict is therefore computed where no candidate code runs: printed markers, patched builtins,
+``sys.exit``/``os._exit`` or rigged ``__eq__`` objects cannot turn a failure into a pass. A test
 that crashes, exits, floods or hangs its process (per-test wall clock ``test_timeout_s``) fails alone; the next
 test gets a fresh process. Once ``total_timeout_s`` is spent, the remaining tests fail. Tests that draw random
 inputs get a private ``random`` seeded by the test index: the same inputs on every call, and the trainer's global
@@ -33,19 +34,15 @@ inputs get a private ``random`` seeded by the test index: the same inputs on eve
 from __future__ import annotations
 
 import ast
-import builtins
 import gzip
 import importlib.util
 import json
 import os
-import random
 import textwrap
 import time
-import types
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -231,35 +228,31 @@ def build_program(candidate: str, prompt: str, entry_point: str) -> str | None:
 # -------------------------------------------------------------------------------------------------- tests
 
 
-def _seeded_random(seed: int) -> types.ModuleType:
-    """A stand-in ``random`` module driven by a private ``Random(seed)``: tests that draw random inputs
-    (HumanEval/38, /50, /53) get the same inputs every time and leave the process-wide generator alone."""
-    rng, module = random.Random(seed), types.ModuleType("random")
-    for name in dir(random):
-        if not name.startswith("_"):
-            value = getattr(random, name)
-            bound = getattr(value, "__self__", None) is getattr(random, "_inst", None)
-            setattr(module, name, getattr(rng, name) if bound and hasattr(rng, name) else value)
-    return module
+# The checker: the problem's prompt and preamble, then this runner. It runs in its own sandbox process, so nothing
+# from a data file executes in the trainer; its ``candidate`` relays each call (undecoded) to the candidate's
+# process. Tests that draw random inputs (HumanEval/38, /50, /53) get ``random`` seeded by the test index.
+_CHECKER_RUNNER = """
+
+def __vpo_run_test__(i, src):
+    import random
+    random.seed(i)
+    ns = dict(__vpo_base__)
+    ns["candidate"] = lambda *args, **kwargs: __vpo_call__(args, kwargs)
+    try:
+        exec(compile(src, "<test %d>" % i, "exec"), ns)
+    except Exception:
+        return False
+    return True
 
 
-def _test_builtins(seed: int) -> dict[str, Any]:
-    """Builtins for one test's namespace: ``import random`` gives :func:`_seeded_random`."""
-    private, real_import = _seeded_random(seed), builtins.__import__
-
-    def import_(name: str, globals_: Any = None, locals_: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-        return private if name == "random" and level == 0 else real_import(name, globals_, locals_, fromlist, level)
-
-    return dict(vars(builtins), __import__=import_)
+__vpo_base__ = dict(globals())
+"""
+_PASS = b'["ok",true]'
 
 
-@lru_cache(maxsize=512)
-def _checker(prompt: str, preamble: str, tests: tuple[str, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
-    """The trusted checking namespace (prompt helpers + preamble) and the compiled tests of one problem."""
-    base: dict[str, Any] = {"__name__": "__checker__"}
-    exec(compile(prompt, "<prompt>", "exec"), base)  # trusted: the problem's own helpers, e.g. poly()
-    exec(compile(preamble, "<preamble>", "exec"), base)
-    return base, tuple(compile(t, f"<test {i}>", "exec") for i, t in enumerate(tests))
+def checker_program(prompt: str, preamble: str) -> str:
+    """The checker's source: the problem's helpers (prompt), its test preamble, then the test runner."""
+    return f"{prompt}\n\n{preamble}\n{_CHECKER_RUNNER}"
 
 
 def run_tests(
@@ -268,40 +261,52 @@ def run_tests(
 ) -> list[bool]:
     """Pass/fail of each test of a problem for one candidate.
 
+    The candidate's program and the checker (prompt, preamble and tests: data, so never run here) run in two
+    sandboxes; the trainer only relays the checker's calls to the candidate's function as bytes, and reads the
+    checker's verdict by comparing bytes: nothing either process sends is decoded in the trainer.
+
     Args:
         candidate: model output for one answer.
         ground_truth: a record's ``ground_truth`` (``prompt``, ``entry_point``, ``preamble``, ``tests``).
         test_timeout_s: wall-clock seconds per test (all its calls together).
         total_timeout_s: wall-clock seconds for all tests of this candidate.
-        memory_mb: address-space limit of the sandboxed process.
+        memory_mb: address-space limit of each sandboxed process.
 
     Returns:
         One bool per test, in order.
     """
     tests = tuple(ground_truth["tests"])
     program = build_program(candidate, ground_truth["prompt"], ground_truth["entry_point"])
-    if program is None:
+    if program is None or not tests:
         return [False] * len(tests)
-    base, compiled = _checker(ground_truth["prompt"], ground_truth.get("preamble", ""), tests)
-    entry, deadline = ground_truth["entry_point"], [0.0]
+    checker_src = checker_program(ground_truth["prompt"], ground_truth.get("preamble", ""))
+    call_head = b"[" + json.dumps(str(ground_truth["entry_point"])).encode() + b","
     end = time.monotonic() + total_timeout_s
+    deadline = [0.0]
     passed: list[bool] = []
-    with FunctionSession(program, cpu_s=int(total_timeout_s) + 2, memory_mb=memory_mb) as session:
+    cpu_s = int(total_timeout_s) + 2
+    with FunctionSession(program, cpu_s=cpu_s, memory_mb=memory_mb) as session, \
+            FunctionSession(checker_src, cpu_s=cpu_s, memory_mb=memory_mb) as checker:
 
-        def proxy(*args: Any, **kwargs: Any) -> Any:
+        def relay(frame: bytes) -> bytes:  # frame: b'["cb",args,kwargs]' from the checker
             if time.monotonic() >= deadline[0]:
-                raise TimeoutError("test time is up")
-            return session.call(entry, args, kwargs, deadline=deadline[0])
-
-        for i, code in enumerate(compiled):
-            deadline[0] = min(time.monotonic() + test_timeout_s, end)
-            ns = dict(base, candidate=proxy, __builtins__=_test_builtins(i))
+                return b'["err","test time is up"]'
             try:
-                exec(code, ns)
-                passed.append(True)
-            except Exception:  # noqa: BLE001 - any failure of the test (assert, call error, type error) is a fail
-                passed.append(False)
-            if session.load_error is not None or time.monotonic() >= end:
+                return session.call_frame(call_head + frame[len(b'["cb",'):], deadline=deadline[0])
+            except SandboxCallError as e:
+                return json.dumps(["err", str(e)[:200]]).encode()
+
+        checker.prestart()  # both processes start side by side
+        session.prestart()
+        for i, test in enumerate(tests):
+            deadline[0] = min(time.monotonic() + test_timeout_s, end)
+            try:  # the checker gets a little longer than the candidate, so a candidate timeout fails only the test
+                verdict = checker.call_raw("__vpo_run_test__", [i, test], deadline=deadline[0] + 0.5,
+                                           on_callback=relay)
+            except SandboxCallError:
+                verdict = b""
+            passed.append(verdict == _PASS)
+            if session.load_error is not None or checker.load_error is not None or time.monotonic() >= end:
                 break
     return passed + [False] * (len(tests) - len(passed))
 

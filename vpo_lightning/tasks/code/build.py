@@ -23,6 +23,28 @@ from vpo_lightning.tasks.code import canonical_candidate, load_humaneval, make_r
 SPLIT_SIZES = {"test": 64, "val": 20}  # train: the rest
 
 
+def check_code_record(record: dict[str, Any], where: str) -> None:
+    """The data check for a code record (``task: code``, or a ``ground_truth`` with an ``entry_point``): it needs
+    ``ground_truth.tests``, a non-empty list of test sources, and string ``prompt``/``entry_point``; a record
+    without tests would train silently on reward 0.
+
+    Raises:
+        ValueError: naming ``where`` (file:line) and the missing piece.
+    """
+    gt = record.get("ground_truth")
+    if record.get("task") != "code" and not (isinstance(gt, dict) and "entry_point" in gt):
+        return
+    if not isinstance(gt, dict):
+        raise ValueError(f"{where}: a code record needs a 'ground_truth' object with 'prompt', 'entry_point', 'tests'")
+    tests = gt.get("tests")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+        raise ValueError(f"{where}: code record has no tests: 'ground_truth.tests' must be a non-empty list of test "
+                         "sources (rebuild with python -m vpo_lightning.tasks.code.build, or drop the record)")
+    for key in ("prompt", "entry_point"):
+        if not isinstance(gt.get(key), str):
+            raise ValueError(f"{where}: code record needs a string 'ground_truth.{key}'")
+
+
 def build_splits(problems: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, list[dict[str, Any]]]:
     """Assign problems to splits with a seeded permutation; records within a split keep HumanEval order.
 

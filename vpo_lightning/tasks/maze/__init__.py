@@ -1,10 +1,12 @@
-"""Maze task: a seeded 9x9 maze generator, its text rendering, route parsing and simulation, reward and drawing.
+"""Maze task: a seeded maze generator (5x5, 7x7 or the paper's 9x9), its text rendering, route parsing and
+simulation under two reward modes (sparse, the paper's; shaped, for small models), the reward, and drawing.
 
 The maze is a tile grid: cells with two even coordinates are rooms, a randomized Prim's algorithm opens the
 walls between rooms to make a spanning tree, then a few more walls are removed to create cycles. The start and
 the exit are on opposite corners, a gold zone and a diamond zone (the corner cell and its two nearest open
 cells) on the other two corners, and some floor cells are lava. The step budget is drawn so that, checked by
-breadth-first search over (cell, visited zone cells) for every maze (otherwise the maze is resampled):
+breadth-first search over (cell, visited zone cells) for every maze of every size (otherwise the maze is
+resampled; :func:`check_maze` re-checks a finished maze):
 
 * collecting the whole gold zone and then reaching the exit fits the budget, and so does the whole diamond zone;
 * touching even one gold cell and one diamond cell and reaching the exit does not;
@@ -12,16 +14,27 @@ breadth-first search over (cell, visited zone cells) for every maze (otherwise t
 
 Routes. An answer is a list of moves U (row - 1), D (row + 1), L (column - 1), R (column + 1). Parsing is
 tolerant: ``U, R, R``, ``URRD``, ``up right``, arrows; other words are ignored; repeat counts are not supported.
-If the text has a ``<route>`` (or ``<route_i>``) tag, only its content is read. Simulation rules:
+If the text has a ``<route>`` (or ``<route_i>``) tag, only its content is read. In both modes the route ends at
+its first arrival on the exit (later moves are ignored) and only the first ``budget`` moves count.
 
-* a move into a wall or off the grid makes the whole route invalid: it scores 0 on every dimension (a clear
-  signal, and no ambiguity about where the route went);
-* the route ends at its first arrival on the exit; later moves are ignored;
-* a route that has not reached the exit after ``budget`` moves scores 0 on every dimension.
+Reward (D = 4, VPO-SPEC section 8): ``[exit, gold, diamond, safety]``.
 
-Reward (D = 4, VPO-SPEC section 8): ``[exit, gold, diamond, safety]`` = [1 (exit reached within the budget),
-fraction of gold cells visited, fraction of diamond cells visited, 1 - fraction of moves that end on lava], all
-0 unless the exit is reached within the budget.
+* ``sparse`` (the paper's, the default): a move into a wall or off the grid makes the whole route invalid, and
+  a route that does not reach the exit within the budget scores 0 on every dimension. Otherwise the vector is
+  [1, fraction of gold cells visited, fraction of diamond cells visited, 1 - fraction of moves that end on lava].
+* ``shaped`` (for small models, whose routes rarely survive the sparse rules): a move into a wall or off the grid
+  is skipped (the walker stays put; the move still uses one move of the budget). Let ``e`` = 1 if the route
+  reaches the exit within the budget, else ``0.5 * progress``, with ``progress = max(0, d0 - d) / d0``, ``d0`` the
+  walking distance from the start to the exit and ``d`` the one from where the route stops. The vector is
+  ``e * [1, gold fraction, diamond fraction, 1 - lava fraction]`` (lava fraction over the moves taken; 0 for no
+  move). Sparse is the special case where ``e`` is 0 or 1 and any wall move gives ``e = 0``. A route that stops
+  short of the exit scores at most 0.5 on every dimension, so it never beats, on the mean, a route that reaches
+  the exit with one full zone and no lava (0.75).
+
+Why no route scores 1 on every dimension, in either mode: exit = 1 needs the exit reached within the budget,
+and the budget is drawn below the shortest route that touches one gold cell and one diamond cell before the exit,
+so such a route has gold = 0 or diamond = 0. The best routes are a gold route and a diamond route (plus their
+lava trade-offs): a real Pareto front with D = 4, which is what VPO's set reward rewards covering.
 """
 
 from __future__ import annotations
@@ -31,10 +44,16 @@ import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SIZE = 9
+SIZES = (5, 7, 9)
+RULES = ("sparse", "shaped")
 WALL, FLOOR = "#", "."
+# per size: (min, max) extra openings (cycles) and (min, max) lava tiles; 9 is the paper's setting
+_FEATURES: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {5: ((1, 2), (1, 2)), 7: ((2, 5), (2, 5)),
+                                                                   9: ((4, 8), (4, 8))}
 ZONE_SIZE = 3
 TASK = "maze"
 DIMS = ("exit", "gold", "diamond", "safety")
@@ -58,6 +77,7 @@ class Maze:
         lava: lava floor cells (stepping on them is allowed but lowers the safety reward).
         budget: the maximum number of moves.
         seed: the generator seed.
+        rules: the reward mode, ``sparse`` (the paper's) or ``shaped`` (see the module docstring).
     """
 
     grid: tuple[str, ...]
@@ -69,6 +89,7 @@ class Maze:
     budget: int
     seed: int = -1
     stats: dict[str, int] = field(default_factory=dict, compare=False)
+    rules: str = "sparse"
 
     def is_open(self, cell: Cell) -> bool:
         r, c = cell
@@ -80,6 +101,7 @@ class Maze:
             "grid": list(self.grid), "start": list(self.start), "exit": list(self.exit),
             "gold": [list(c) for c in self.gold], "diamond": [list(c) for c in self.diamond],
             "lava": [list(c) for c in self.lava], "budget": self.budget, "seed": self.seed, "stats": self.stats,
+            "rules": self.rules,
         }
 
     @classmethod
@@ -91,7 +113,7 @@ class Maze:
 
         return cls(tuple(d["grid"]), (int(d["start"][0]), int(d["start"][1])), (int(d["exit"][0]), int(d["exit"][1])),
                    cells("gold"), cells("diamond"), cells("lava"), int(d["budget"]), int(d.get("seed", -1)),
-                   dict(d.get("stats", {})))
+                   dict(d.get("stats", {})), str(d.get("rules", "sparse")))
 
 
 # --------------------------------------------------------------------------------------------- generation
@@ -185,38 +207,77 @@ def budget_bounds(maze: Maze) -> tuple[int, int] | None:
     return (lo, hi) if lo <= hi else None
 
 
-def generate_maze(seed: int, size: int = SIZE, max_tries: int = 1000) -> Maze:
+def generate_maze(seed: int, size: int = SIZE, max_tries: int = 1000, rules: str = "sparse") -> Maze:
     """Generate the maze of ``seed`` (deterministic), resampling until the budget constraints hold.
 
     Args:
         seed: generator seed.
-        size: odd grid side (9).
+        size: grid side, one of ``SIZES`` (5, 7, 9; 9 is the paper's). The numbers of extra openings and lava
+            tiles scale with the size; a 9x9 maze of a seed is the same as before sizes existed.
         max_tries: resampling attempts before giving up.
+        rules: reward mode stored in the maze, ``sparse`` or ``shaped`` (it does not change the layout).
 
     Raises:
-        RuntimeError: no valid maze within ``max_tries`` (does not happen for size 9).
+        ValueError: an unsupported ``size`` or ``rules``.
+        RuntimeError: no valid maze within ``max_tries`` (not seen for the supported sizes).
     """
+    if size not in _FEATURES:
+        raise ValueError(f"maze size must be one of {SIZES}, got {size!r}")
+    if rules not in RULES:
+        raise ValueError(f"maze rules must be one of {RULES}, got {rules!r}")
+    (cyc_lo, cyc_hi), (lava_lo, lava_hi) = _FEATURES[size]
     rng = random.Random(seed)
     corners = [(0, 0), (0, size - 1), (size - 1, size - 1), (size - 1, 0)]
     for _ in range(max_tries):
         grid = _prim(rng, size)
-        _add_cycles(grid, rng, rng.randint(4, 8))
+        _add_cycles(grid, rng, rng.randint(cyc_lo, cyc_hi))
         k = rng.randrange(4)
         start, gold_corner, exit_, dia_corner = (corners[(k + i) % 4] for i in range(4))
         if rng.random() < 0.5:
             gold_corner, dia_corner = dia_corner, gold_corner
         gold, diamond = _nearest_open(grid, gold_corner, ZONE_SIZE), _nearest_open(grid, dia_corner, ZONE_SIZE)
         taken = {start, exit_, *gold, *diamond}
+        if len(taken) != 2 + 2 * ZONE_SIZE:  # a zone too small or overlapping (possible on small grids)
+            continue
         floor = [(r, c) for r in range(size) for c in range(size) if grid[r][c] == FLOOR and (r, c) not in taken]
-        lava = tuple(sorted(rng.sample(floor, rng.randint(4, 8))))
+        lava = tuple(sorted(rng.sample(floor, min(len(floor), rng.randint(lava_lo, lava_hi)))))
         maze = Maze(tuple("".join(row) for row in grid), start, exit_, gold, diamond, lava, 0, seed)
         bounds = budget_bounds(maze)
         if bounds is None:
             continue
         budget = rng.randint(bounds[0], min(bounds[1], bounds[0] + 4))
         stats = {"min_budget": bounds[0], "both_zones_moves": bounds[1] + 1}
-        return Maze(maze.grid, start, exit_, gold, diamond, lava, budget, seed, stats)
-    raise RuntimeError(f"no valid maze for seed {seed} in {max_tries} tries")
+        return Maze(maze.grid, start, exit_, gold, diamond, lava, budget, seed, stats, rules)
+    raise RuntimeError(f"no valid maze for seed {seed} (size {size}) in {max_tries} tries")
+
+
+def check_maze(maze: Maze) -> list[str]:
+    """The task's guarantees that ``maze`` breaks (empty when it is valid); checked by BFS, independent of how the
+    maze was made: start and exit on opposite corners, the zones on (holding) the other two corners, features
+    on distinct floor cells, each full zone plus the exit within the budget, no route touching both zones before
+    the exit within it, and a lava-free route to the exit within it."""
+    n = len(maze.grid)
+    problems: list[str] = []
+    if any(len(row) != n for row in maze.grid):
+        problems.append("the grid is not square")
+    corners = {(0, 0), (0, n - 1), (n - 1, 0), (n - 1, n - 1)}
+    if maze.start not in corners or maze.exit != (n - 1 - maze.start[0], n - 1 - maze.start[1]):
+        problems.append("start and exit are not on opposite corners")
+    others = corners - {maze.start, maze.exit}
+    if not any(c in maze.gold and d in maze.diamond for c in others for d in others - {c}):
+        problems.append("the gold and diamond zones are not on the other two corners")
+    cells = [maze.start, maze.exit, *maze.gold, *maze.diamond, *maze.lava]
+    if len(set(cells)) != len(cells) or not all(maze.is_open(c) for c in cells):
+        problems.append("features overlap or lie on walls")
+    if maze.rules not in RULES:
+        problems.append(f"unknown rules {maze.rules!r}")
+    if problems:
+        return problems
+    bounds = budget_bounds(maze)
+    if bounds is None or not bounds[0] <= maze.budget <= bounds[1]:
+        problems.append(f"budget {maze.budget} outside the valid range {bounds} (one zone + exit fits, both do not, "
+                        "a lava-free route fits)")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -242,32 +303,50 @@ def render_maze(maze: Maze) -> str:
     return "\n".join(lines)
 
 
+def rules_text(maze: Maze) -> str:
+    """The rules and scoring paragraph of the prompt, for the maze's reward mode."""
+    head = ("Rules: you start on S. A move is U (up: row - 1), D (down: row + 1), L (left: column - 1) or R (right: "
+            "column + 1). ")
+    scoring = ("scored on four criteria, each between 0 and 1: reaching the exit; the fraction of gold cells ($) "
+               "visited; the fraction of diamond cells (*) visited; and 1 minus the fraction of moves that land on "
+               "lava (~). ")
+    choose = "The move budget is too small to visit both the gold and the diamond zone, so a route has to choose."
+    if maze.rules == "shaped":
+        return (head + "A move into a wall (#) or off the grid is skipped: you stay where you are, and it still "
+                f"uses one move. Only the first {maze.budget} moves count, and the route ends as soon as it reaches "
+                "the exit E. A route that reaches E in time is " + scoring + "A route that does not reach E gets "
+                "partial credit: all four scores are multiplied by half the fraction of the distance to E it "
+                "covered. The move budget is too small to visit both the gold and the diamond zone and still reach "
+                "E, so a route has to choose.")
+    return (head + "A move into a wall (#) or off the grid makes the route invalid (it scores 0). The route ends as "
+            f"soon as it reaches the exit E, and it must reach E within {maze.budget} moves, otherwise it scores 0. "
+            "A route that reaches E in time is " + scoring + choose)
+
+
 def user_prompt(maze: Maze) -> str:
-    """The user message: the maze, the rules, the scoring and the single-answer format."""
+    """The user message: the maze, the rules and scoring of its reward mode, and the single-answer format."""
     return (
         f"Find a route through this {len(maze.grid)}x{len(maze.grid)} maze. Coordinates are (row, column), "
         "row 0 at the top.\n\n"
         f"{render_maze(maze)}\n\n"
-        "Rules: you start on S. A move is U (up: row - 1), D (down: row + 1), L (left: column - 1) or R (right: "
-        "column + 1). A move into a wall (#) or off the grid makes the route invalid (it scores 0). The route "
-        f"ends as soon as it reaches the exit E, and it must reach E within {maze.budget} moves, otherwise it "
-        "scores 0. A route that reaches E in time is scored on four criteria, each between 0 and 1: reaching "
-        "the exit; the fraction of gold cells ($) visited; the fraction of diamond cells (*) visited; and 1 "
-        "minus the fraction of moves that land on lava (~). The move budget is too small to visit both the gold "
-        "and the diamond zone, so a route has to choose.\n\n"
+        f"{rules_text(maze)}\n\n"
         "Answer with the moves, separated by spaces, inside <route></route> tags, for example "
         "<route>R R D L</route>."
     )
 
 
 def make_record(maze: Maze, split: str, index: int) -> dict[str, Any]:
-    """The JSONL record (docs/ARCHITECTURE.md) of one maze."""
+    """The JSONL record (docs/ARCHITECTURE.md) of one maze; ids are ``maze-<split>-<index>`` for the paper's 9x9
+    sparse setting and ``maze<size>-<rules>-<split>-<index>`` for the others."""
+    n = len(maze.grid)
+    name = "maze" if (n, maze.rules) == (SIZE, "sparse") else f"maze{n}-{maze.rules}"  # ids unique across settings
     return {
-        "id": f"maze-{split}-{index:05d}",
+        "id": f"{name}-{split}-{index:05d}",
         "task": TASK,
         "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_prompt(maze)}],
         "ground_truth": maze.to_dict(),
-        "meta": {"split": split, "seed": maze.seed, "budget": maze.budget, **maze.stats},
+        "meta": {"split": split, "seed": maze.seed, "budget": maze.budget, "size": len(maze.grid),
+                 "rules": maze.rules, **maze.stats},
     }
 
 
@@ -321,8 +400,22 @@ class RouteResult:
     reason: str = ""
 
 
+def walking_distances(maze: Maze, target: Cell) -> dict[Cell, int]:
+    """Moves from every open cell to ``target`` (BFS over floor cells, lava allowed); unreachable cells absent."""
+    dist, todo = {target: 0}, deque([target])
+    while todo:
+        cell = todo.popleft()
+        for nxt in _neighbors(cell, len(maze.grid)):
+            if nxt not in dist and maze.is_open(nxt):
+                dist[nxt] = dist[cell] + 1
+                todo.append(nxt)
+    return dist
+
+
 def simulate(maze: Maze, moves: Sequence[str]) -> RouteResult:
-    """Walk ``moves`` from the start under the rules of the module docstring and score the route."""
+    """Walk ``moves`` from the start under ``maze.rules`` (module docstring) and score the route."""
+    if maze.rules == "shaped":
+        return _simulate_shaped(maze, moves)
     pos, path = maze.start, [maze.start]
     for i, move in enumerate(moves):
         if i >= maze.budget:
@@ -337,15 +430,39 @@ def simulate(maze: Maze, moves: Sequence[str]) -> RouteResult:
             break
     if pos != maze.exit:
         return RouteResult(path, True, False, [0.0] * 4, "the route does not reach the exit")
-    visited, lava = set(path), set(maze.lava)
-    steps = len(path) - 1
-    reward = [
-        1.0,
-        len(visited & set(maze.gold)) / len(maze.gold),
-        len(visited & set(maze.diamond)) / len(maze.diamond),
-        1.0 - sum(cell in lava for cell in path[1:]) / steps,
-    ]
-    return RouteResult(path, True, True, reward)
+    return RouteResult(path, True, True, _vector(maze, path, 1.0))
+
+
+def _vector(maze: Maze, path: Sequence[Cell], e: float) -> list[float]:
+    """``e * [1, gold fraction, diamond fraction, 1 - lava fraction]`` of a walked path (start first)."""
+    visited, lava, steps = set(path), set(maze.lava), len(path) - 1
+    lava_frac = sum(cell in lava for cell in path[1:]) / steps if steps else 0.0
+    return [e, e * len(visited & set(maze.gold)) / len(maze.gold),
+            e * len(visited & set(maze.diamond)) / len(maze.diamond), e * (1.0 - lava_frac)]
+
+
+def _simulate_shaped(maze: Maze, moves: Sequence[str]) -> RouteResult:
+    """Shaped rules: wall moves are skipped (the walker stays, one move of the budget is used); partial credit
+    ``e = 0.5 * progress`` toward the exit when the route stops short. ``path`` has one entry per move taken."""
+    pos, path, skipped = maze.start, [maze.start], 0
+    for move in moves[: maze.budget]:
+        dr, dc = MOVES[move]
+        nxt = (pos[0] + dr, pos[1] + dc)
+        if maze.is_open(nxt):
+            pos = nxt
+        else:
+            skipped += 1
+        path.append(pos)
+        if pos == maze.exit:
+            break
+    note = f"{skipped} wall move(s) skipped" if skipped else ""
+    if pos == maze.exit:
+        return RouteResult(path, True, True, _vector(maze, path, 1.0), note)
+    dist = walking_distances(maze, maze.exit)
+    d0 = dist[maze.start]
+    e = 0.5 * max(0, d0 - dist.get(pos, d0)) / d0
+    return RouteResult(path, True, False, _vector(maze, path, e),
+                       "; ".join(x for x in (note, f"stops {dist.get(pos, d0)} moves from the exit") if x))
 
 
 def maze_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
@@ -442,3 +559,71 @@ def draw_maze(maze: Maze | Mapping[str, Any], routes: Sequence[str | Sequence[st
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), fontsize=8, ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path_png, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+
+
+def chain_routes(text: str, m: int) -> list[str]:
+    """The routes of one completion: its ``<route_1>``..``<route_m>`` blocks when it has any (missing blocks are
+    dropped), else the whole text as one single-answer route."""
+    from vpo_lightning.chains import parse_chain
+
+    if re.search(r"<route_\d+>", text, re.IGNORECASE):
+        return [r for r in parse_chain(text, m, "route") if r is not None]
+    return [text]
+
+
+def draw_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m vpo_lightning.tasks.maze --data FILE --id ID --samples samples.jsonl --chains 0 --out maze.png``:
+    draw one maze with the routes of some completions of a ``vpo eval`` run (a chain's m routes, or k single
+    answers: ``--chains 0 1 2 3``), or with routes given on the command line (``--route "R R D" --route ...``)."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m vpo_lightning.tasks.maze",
+                                description="Draw one maze with routes in different colours into a PNG.")
+    p.add_argument("--data", required=True, help="maze JSONL (a data split or the file `vpo eval` read)")
+    p.add_argument("--id", default=None, help="record id (default: the first record of --data)")
+    p.add_argument("--samples", default=None, help="samples.jsonl written by `vpo eval`")
+    p.add_argument("--chains", type=int, nargs="+", default=[0], help="chain indices in --samples (default: 0)")
+    p.add_argument("--m", type=int, default=3, help="routes per chain for chain methods (default: 3)")
+    p.add_argument("--route", action="append", default=[], help="a route text, repeatable")
+    p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--out", required=True, help="output PNG")
+    args = p.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        lines = Path(args.data).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        return fail(f"--data {args.data}: {err}")
+    records = [json.loads(line) for line in lines if line.strip()]
+    record = next((r for r in records if args.id in (None, r.get("id"))), None)
+    if record is None:
+        return fail(f"--data {args.data} has no record with id {args.id!r}")
+    routes, labels = list(args.route), [f"route {i + 1}" for i in range(len(args.route))]
+    if args.samples:
+        try:
+            rows = [json.loads(line) for line in Path(args.samples).read_text(encoding="utf-8").splitlines() if line]
+        except (OSError, json.JSONDecodeError) as err:
+            return fail(f"--samples {args.samples}: {err}")
+        by_chain = {row["chain"]: row["text"] for row in rows if row.get("id") == record.get("id")}
+        missing = [c for c in args.chains if c not in by_chain]
+        if missing:
+            return fail(f"--samples {args.samples} has no chain {missing[0]} for id {record.get('id')!r} "
+                        f"(it has {len(by_chain)} chains for it)")
+        for c in args.chains:
+            found = chain_routes(by_chain[c], args.m)
+            routes += found
+            labels += [f"chain {c}" + (f" route {j + 1}" if len(found) > 1 else "") for j in range(len(found))]
+    maze = Maze.from_dict(record["ground_truth"])
+    labels = [f"{lab}: [{', '.join(f'{v:.2f}' for v in simulate(maze, parse_moves(r)).reward)}]"
+              for lab, r in zip(labels, routes)]
+    draw_maze(maze, routes, args.out, labels=labels, title=args.title)
+    print(f"wrote {args.out} ({len(routes)} routes on {record.get('id')})")
+    return 0

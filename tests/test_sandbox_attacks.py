@@ -1,0 +1,378 @@
+"""Attacks a policy rewarded for getting around the sandbox would find (issue 20), each as a test.
+
+Every attack runs in each kernel isolation mode this machine supports (``root``: bubblewrap namespaces and a
+private uid; ``userns``: bubblewrap in a user namespace), mostly with the audit-hook guard switched off
+(``guard=False``) so that what is tested is the kernel layer alone: nothing may depend on the hook. A test passes
+when the attack gets nothing: no forged reward, no file outside the run directory, no connection, no stall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vpo_lightning import sandbox
+from vpo_lightning.tasks.code import code_tests_reward, run_tests
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "vpo-attack-secret-7d2e"
+TOY = {
+    "task_id": "Toy/add", "entry_point": "add", "preamble": "",
+    "prompt": 'def add(a: int, b: int) -> int:\n    """Return a + b."""\n',
+    "tests": ["assert candidate(1, 2) == 3", "assert candidate(0, 0) == 0", "assert candidate(-1, 1) == 0"],
+}
+
+
+@pytest.fixture(params=["root", "userns"])
+def mode(request, monkeypatch):
+    """Force one isolation mode (skipped where this machine cannot provide it)."""
+    monkeypatch.setenv("VPO_SANDBOX_ISOLATION", request.param)
+    monkeypatch.setenv("VPO_TEST_SECRET", SECRET)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    if request.param == "root" and os.geteuid() != 0:
+        pytest.skip("root mode needs root")
+    kind = sandbox.isolation_info()["kind"]
+    if kind != request.param:
+        pytest.skip(f"{request.param} isolation is not available here (got {kind})")
+    return request.param
+
+
+def marker() -> Path:
+    """A fresh path in the host's /tmp that an attack tries to create."""
+    return Path(f"/tmp/vpo-attack-{uuid.uuid4().hex[:12]}")
+
+
+def toy(code: str, **kwargs: float) -> list[bool]:
+    return run_tests(f"```python\n{code}\n```", TOY, **{"test_timeout_s": 2.0, "total_timeout_s": 6.0, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------- forged reward
+
+
+def test_reference_solutions_are_unreadable(mode: str) -> None:
+    """A candidate that loads HumanEval's reference solution from the installed package scores 0."""
+    from vpo_lightning.tasks.code import humaneval_path, load_humaneval, make_record
+
+    path = str(humaneval_path())
+    for problem in load_humaneval()[:3]:
+        entry, tid = problem["entry_point"], problem["task_id"]
+        cheat = (
+            "import gzip, json\n"
+            f"def {entry}(*args, **kwargs):\n"
+            f"    for line in gzip.open({path!r}, 'rt'):\n"
+            "        p = json.loads(line)\n"
+            f"        if p['task_id'] == {tid!r}:\n"
+            "            ns = {}\n"
+            "            exec(p['prompt'] + p['canonical_solution'], ns)\n"
+            f"            return ns[{entry!r}](*args, **kwargs)\n"
+        )
+        gt = make_record(problem, "attack")["ground_truth"]
+        assert not any(run_tests(f"```python\n{cheat}```", gt, test_timeout_s=2.0, total_timeout_s=6.0)), tid
+
+
+def test_hidden_tests_are_unreadable(mode: str) -> None:
+    """A candidate that answers from a lookup table read out of the project's data files scores 0."""
+    records = [json.loads(line) for line in (REPO / "data/code/test.jsonl").read_text().splitlines()[:6]]
+    scored = 0
+    for record in records:
+        entry = record["ground_truth"]["entry_point"]
+        cheat = (
+            "import ast, glob, json, re\n_T = {{}}\n"
+            "for f in glob.glob({!r}):\n"
+            "    for line in open(f):\n"
+            "        r = json.loads(line)\n"
+            "        if r['ground_truth']['entry_point'] != {!r}:\n"
+            "            continue\n"
+            "        for t in r['ground_truth']['tests']:\n"
+            "            for m in re.finditer(r'candidate\\((.*?)\\) == (.+)$', t, re.M):\n"
+            "                try:\n"
+            "                    _T[repr(ast.literal_eval('(' + m.group(1) + ',)'))] = ast.literal_eval(m.group(2))\n"
+            "                except Exception:\n"
+            "                    pass\n"
+            "def {}(*args):\n    return _T.get(repr(args))\n"
+        ).format(str(REPO / "data/code/*.jsonl"), entry, entry)
+        scored += sum(run_tests(f"```python\n{cheat}```", record["ground_truth"], total_timeout_s=6.0))
+    assert scored == 0
+
+
+# ------------------------------------------------------------------------------------------ the in-process guard
+
+
+def test_rebinding_the_guard_state_gains_nothing(mode: str) -> None:
+    """With the guard on (as in training), a candidate rebinds the hook's deny lists, then spawns a shell."""
+    target = marker()
+    header = (
+        "import __main__, sys\n"
+        "for mod in list(sys.modules.values()):\n"
+        "    for name in ('_DENY', '_NO_IMPORT', '_PATH_EVENTS'):\n"
+        "        if hasattr(mod, name):\n"
+        "            setattr(mod, name, {'_DENY': (), '_NO_IMPORT': frozenset(), '_PATH_EVENTS': {}}[name])\n"
+        "try:\n"
+        "    import subprocess\n"
+        f"    subprocess.run(['/bin/sh', '-c', 'echo pwned > {target}'], timeout=2)\n"
+        "except Exception:\n"
+        "    pass\n"
+    )
+    toy(header + "def add(a, b):\n    return a + b\n")
+    assert not target.exists()
+
+
+def test_path_objects_answering_differently(mode: str) -> None:
+    """A path-like object that names the run directory to the guard and another place to ``open``/``mkdir``."""
+    target = marker()
+    header = (
+        "import sys\n"
+        "class P:\n    def __fspath__(self):\n"
+        "        caller = sys._getframe(1).f_code.co_name\n"
+        f"        return 'inside.txt' if caller in ('inside', 'hook', 'fsdecode') else {str(target)!r}\n"
+        "import os\n"
+        "for attempt in (lambda: open(P(), 'w').write('pwned'), lambda: os.mkdir(P())):\n"
+        "    try:\n        attempt()\n    except Exception:\n        pass\n"
+    )
+    toy(header + "def add(a, b):\n    return a + b\n")
+    assert not target.exists()
+
+
+def test_proc_spellings_do_not_reach_the_trainer(mode: str) -> None:
+    """Other spellings of ``/proc/<trainer>/environ`` (guard on): the secret in the trainer's environment."""
+    pid = os.getpid()
+    spellings = [f"/proc/self/root/proc/{pid}/environ", f"/proc/self/cwd/../../proc/{pid}/environ",
+                 f"/proc//{pid}/environ", f"/dev/fd/../../proc/{pid}/environ", "/proc/self/root/proc/1/environ"]
+    code = (
+        "import os\n"
+        f"def add(a, b):\n    for p in {spellings!r}:\n"
+        "        try:\n"
+        f"            if {SECRET!r}.encode() in open(p, 'rb').read():\n                return a + b\n"
+        "        except Exception:\n            pass\n"
+        "        try:\n"
+        "            d = os.open(os.path.dirname(p), os.O_RDONLY)\n"
+        f"            if {SECRET!r}.encode() in os.read(os.open('environ', os.O_RDONLY, dir_fd=d), 1 << 20):\n"
+        "                return a + b\n"
+        "        except Exception:\n            pass\n"
+        "    return -1\n"
+    )
+    assert toy(code) == [False, False, False]
+
+
+# --------------------------------------------------------------------------------------------- the filesystem
+
+
+def test_writes_to_tmp_and_shm_do_not_persist(mode: str) -> None:
+    """Files written to /tmp and /dev/shm are not on the host afterwards, and a later candidate cannot read them."""
+    name = f"vpo-attack-{uuid.uuid4().hex[:12]}"
+    write = "\n".join(f"try:\n    open('{d}/{name}', 'w').write('{SECRET}')\nexcept OSError:\n    pass"
+                      for d in ("/tmp", "/dev/shm", "/var/tmp"))
+    sandbox.run_python(write, guard=False)
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        assert not os.path.exists(f"{d}/{name}")
+    read = "\n".join(f"try:\n    print(open('{d}/{name}').read())\nexcept OSError:\n    pass"
+                     for d in ("/tmp", "/dev/shm", "/var/tmp"))
+    assert SECRET not in sandbox.run_python(read, guard=False).stdout
+
+
+def test_files_outside_cannot_be_overwritten_or_read(mode: str) -> None:
+    """A root-owned 0644 file in the project (standing in for the reward code) keeps its content and stays
+    unreadable."""
+    target = REPO / f".vpo-attack-target-{uuid.uuid4().hex[:8]}.py"
+    target.write_text(SECRET)
+    target.chmod(0o644)
+    try:
+        code = (f"try:\n    print(open({str(target)!r}).read())\nexcept OSError:\n    pass\n"
+                f"try:\n    open({str(target)!r}, 'w').write('pwned')\nexcept OSError:\n    pass\n")
+        result = sandbox.run_python(code, guard=False)
+        assert target.read_text() == SECRET and SECRET not in result.stdout
+    finally:
+        target.unlink()
+
+
+def test_total_disk_use_is_capped(mode: str) -> None:
+    """Many files just under the per-file limit: the run's total writes stay bounded."""
+    code = (
+        "import os\ntotal = 0\n"
+        "for j, d in enumerate(('.', os.environ.get('TMPDIR', '.'), '/tmp', '/dev/shm')):\n"
+        "    for i in range(20):\n"
+        "        try:\n"
+        "            with open(os.path.join(d, 'f%d-%d' % (j, i)), 'wb') as f:\n"
+        "                f.write(b'x' * (15 << 20))\n"
+        "            total += 15 << 20\n"
+        "        except OSError:\n"
+        "            break\n"
+        "print(total >> 20)\n"
+    )
+    result = sandbox.run_python(code, guard=False, timeout_s=10)
+    assert int(result.stdout.strip() or 0) <= 64, result.stdout
+
+
+# -------------------------------------------------------------------------------------------------- network
+
+
+def test_filesystem_and_abstract_unix_sockets_are_unreachable(mode: str, tmp_path: Path) -> None:
+    """A Unix socket listening outside the sandbox (world-accessible, so only isolation can stop it)."""
+    path = marker()
+    path.mkdir(mode=0o777)
+    path.chmod(0o777)
+    name = f"vpo-attack-{uuid.uuid4().hex[:8]}"
+    servers = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
+    try:
+        servers[0].bind(str(path / "s"))
+        os.chmod(path / "s", 0o777)
+        servers[1].bind("\0" + name)
+        for s in servers:
+            s.listen(4)
+            s.settimeout(0.2)
+        code = (
+            "import socket\n"
+            f"for addr in ({str(path / 's')!r}, '\\0{name}'):\n"
+            "    try:\n"
+            "        c = socket.socket(socket.AF_UNIX)\n        c.connect(addr)\n        c.sendall(b'pwned')\n"
+            "        print('connected', addr)\n"
+            "    except OSError as e:\n        print('refused', e)\n"
+        )
+        result = sandbox.run_python(code, guard=False)
+        for s in servers:
+            with pytest.raises(socket.timeout):
+                s.accept()
+        assert "connected" not in result.stdout
+    finally:
+        for s in servers:
+            s.close()
+        with contextlib.suppress(OSError):
+            (path / "s").unlink()
+        path.rmdir()
+
+
+# ------------------------------------------------------------------------------------------- the verdict channel
+
+
+def test_an_expensive_answer_cannot_stall_the_trainer(mode: str) -> None:
+    """A hand-written result frame whose decoding is quadratic (ints that all hash alike) must not freeze the
+    trainer past the deadline, nor another thread of it."""
+    frame_src = (
+        "import json, os\n"
+        "P = (1 << 61) - 1\n"
+        "def add(a, b):\n"
+        "    body = json.dumps(['ok', {'s': [P * k for k in range(1, 40000)]}], separators=(',', ':')).encode()\n"
+        "    for fd in range(3, 64):\n"
+        "        try:\n"
+        "            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return a + b\n"
+    )
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    start = time.monotonic()
+    try:
+        toy(frame_src, test_timeout_s=1.0, total_timeout_s=3.0)
+    finally:
+        elapsed = time.monotonic() - start
+        stop.set()
+        thread.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert elapsed < 5.0 and max(gaps, default=0) < 1.0, (elapsed, max(gaps, default=0))
+
+
+# ---------------------------------------------------------------------------------------------- data is data
+
+
+def test_data_file_code_never_runs_in_the_trainer(mode: str) -> None:
+    """A code record whose preamble and prompt run commands: nothing happens in the trainer's process."""
+    targets = [REPO / f".vpo-attack-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    record = {"ground_truth": {
+        "task_id": "Evil/1", "entry_point": "add", "tests": ["assert candidate(1, 2) == 3"],
+        "preamble": f"import os\nos.system('touch {targets[0]}')\nopen({str(targets[0])!r}, 'a').write('x')",
+        "prompt": f"import os\nos.system('touch {targets[1]}')\ndef add(a, b):\n    '''a + b'''\n",
+    }}
+    try:
+        code_tests_reward("```python\ndef add(a, b):\n    return a + b\n```", record)
+        assert not any(t.exists() for t in targets)
+    finally:
+        for t in targets:
+            with contextlib.suppress(OSError):
+                t.unlink()
+
+
+def test_code_records_without_tests_are_rejected(tmp_path: Path) -> None:
+    """The data check names the file and line of a code record with no tests."""
+    from vpo_lightning.datamodule import read_jsonl
+
+    good = {"task": "code", "messages": [{"role": "user", "content": "x"}],
+            "ground_truth": {"entry_point": "f", "prompt": "def f(): pass\n", "tests": ["assert candidate() is None"]}}
+    bad = json.loads(json.dumps(good))
+    bad["ground_truth"]["tests"] = []
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2") + ".*tests"):
+        read_jsonl(path)
+
+
+# ---------------------------------------------------------------------------------------------------- modes
+
+
+def test_unprivileged_caller_gets_the_same_isolation(tmp_path: Path) -> None:
+    """The whole sandbox driven by an unprivileged user (uid 65534, system python): isolation is ``userns``,
+    the project and the host's /tmp stay out of reach."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not os.path.exists("/usr/bin/setpriv"):
+        pytest.skip("needs root (to drop to an unprivileged uid) and /usr/bin/python3")
+    target = marker()
+    script = (
+        "import json, sys\nfrom vpo_lightning import sandbox\n"
+        "info = sandbox.isolation_info()\n"
+        f"r = sandbox.run_python('''try:\n    print(open({str(REPO / 'README.md')!r}).read()[:20])\nexcept OSError:\n"
+        f"    print('blocked')\nopen({str(target)!r}, 'w').write('x')\n''', guard=False)\n"
+        "print(json.dumps([info['kind'], r.stdout, r.stderr[-300:]]))\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8"}
+    done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                           "/usr/bin/python3", "-c", script], env=env, capture_output=True, text=True, cwd="/",
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, stdout, stderr = json.loads(done.stdout.strip().splitlines()[-1])
+    if kind != "userns":
+        pytest.skip(f"no user namespaces for unprivileged users here ({kind}): {stderr}")
+    assert stdout.strip() == "blocked" and not target.exists()
+
+
+def test_honest_candidate_still_passes(mode: str) -> None:
+    """Control: in the same mode an honest candidate scores every test (the attacks above fail for cause)."""
+    assert toy("def add(a, b):\n    return a + b") == [True, True, True]
+    result = sandbox.run_python("import os\nopen('x', 'w').write('hi')\nprint(open('x').read(), os.getcwd() != '')")
+    assert result.ok and result.stdout == "hi True\n"
+
+
+def test_without_kernel_isolation_untrusted_code_is_refused(monkeypatch, caplog) -> None:
+    """No bubblewrap on PATH: the sandbox refuses to run code unless weak mode is opted into by name, and the log
+    says which mode is active."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
+    monkeypatch.delenv("VPO_SANDBOX_ISOLATION", raising=False)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    with caplog.at_level("INFO", logger="vpo_lightning.sandbox"):
+        assert sandbox.isolation_info()["kind"] == "unavailable"
+        with pytest.raises(sandbox.SandboxUnavailable, match=sandbox.WEAK_FLAG):
+            sandbox.run_python("print(1)")
+        with pytest.raises(sandbox.SandboxUnavailable):
+            toy("def add(a, b):\n    return a + b")
+        monkeypatch.setenv(sandbox.WEAK_FLAG, "1")
+        monkeypatch.setattr(sandbox, "_ISO", None)
+        result = sandbox.run_python("print(1)")
+    assert result.ok and result.isolation == "weak" and result.stdout == "1\n"
+    assert "refused" in caplog.text and "WEAK" in caplog.text

@@ -35,8 +35,12 @@ $(STAMP): pyproject.toml Makefile $(LOCK) requirements/nodeps.txt
 
 setup: $(STAMP)
 
+# Two stages: the supervised cold start (skipped when its adapter exists), then RL from that adapter.
+SFT_CONFIG ?= configs/tooluse_sft.yaml
+SFT_ADAPTER ?= checkpoints/tooluse-sft/adapters/last
 fit: $(STAMP)
-	$(VENV)/bin/vpo fit --config $(CONFIG)
+	test -f $(SFT_ADAPTER)/adapter_config.json || $(VENV)/bin/vpo sft --config $(SFT_CONFIG)
+	$(VENV)/bin/vpo fit --config $(CONFIG) --model.model.adapter $(SFT_ADAPTER)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

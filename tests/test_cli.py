@@ -14,7 +14,8 @@ from vpo_lightning.cli import VPOCLI
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")
+                 if not p.name.endswith("_sft.yaml"))  # `vpo sft` configs: tests/test_sft.py
 
 
 def _cli(args: list[str]) -> VPOCLI:

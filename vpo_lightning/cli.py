@@ -4,6 +4,7 @@
     vpo fit --config configs/tooluse.yaml --rollout.group_size 4 --model.optim.lr 1e-4   # dotted overrides
     vpo fit --config configs/tooluse.yaml --ckpt_path last  # resume checkpoints/<run_name>/last.ckpt
     vpo fit --help                                          # every argument, with its documentation
+    vpo sft --config configs/tooluse_sft.yaml               # supervised cold start (vpo_lightning/sft/)
 
 Outputs go to ``checkpoints/<run_name>/``: ``config.yaml``, TensorBoard logs, ``last.ckpt``/``step=N.ckpt`` and the
 PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step=N``).
@@ -130,6 +131,10 @@ def main(args: list[str] | None = None) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tune_malloc()  # keep freed logits-sized buffers in the heap; VPO_MALLOC_TUNING=0 turns it off
     argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "sft":  # supervised cold start (vpo_lightning/sft/)
+        from vpo_lightning.sft.cli import main as sft_main
+
+        return sft_main(list(argv[1:]))
     if argv and argv[0] in ("eval", "compare", "plan", "serve", "search"):
         from vpo_lightning import tools
 

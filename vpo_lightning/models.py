@@ -10,6 +10,11 @@ A policy is named by one string (``ModelSettings.name``):
 
 LoRA wraps the base with PEFT; the reference model for the KL term is the same model with its adapters disabled,
 so there is never a second copy (``full_finetune=True`` loads a frozen copy instead).
+
+A starting adapter (``ModelSettings.adapter``, e.g. the output of ``vpo sft``) is merged into the base weights as the
+base is loaded, before any new adapter is added. Every command goes through :func:`load_base_model`, so ``vpo fit``,
+``eval``, ``serve`` and ``search`` all start from it, and "adapter disabled" (the KL reference, the base name in
+``vpo serve``) is then the SFT policy, with no second copy of the base.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class ModelSettings:
         bnb_compute_dtype: compute dtype of the 4-bit layers.
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         lora: LoRA adapter settings.
+        adapter: a PEFT adapter directory to start from (e.g. ``checkpoints/tooluse-sft/adapters/last`` from
+            ``vpo sft``). It is merged into the base weights at load time, so it is also the KL reference; a new
+            LoRA adapter (``lora``) is trained on top. Not with load_in_4bit (a 4-bit base cannot take a merge).
     """
 
     name: str = DEFAULT_MODEL
@@ -83,12 +91,16 @@ class ModelSettings:
     bnb_compute_dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     gradient_checkpointing: bool = False
     lora: LoraSettings = field(default_factory=LoraSettings)
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # plain construction from a dict (tests, scripts)
             self.lora = LoraSettings(**self.lora)
         if self.load_in_4bit and not self.lora.enabled:
             raise ValueError("model.load_in_4bit=true needs model.lora.enabled=true: a 4-bit base cannot be trained")
+        if self.adapter and self.load_in_4bit:
+            raise ValueError("model.adapter cannot be merged into a 4-bit base (model.load_in_4bit=true): "
+                             "train the starting adapter without 4-bit, or drop model.adapter")
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -306,7 +318,8 @@ def check_cpu_4bit_widths(model: nn.Module) -> None:
 
 
 def load_base_model(settings: ModelSettings, device: torch.device | str | None = None) -> nn.Module:
-    """The base causal LM (no adapter), at the requested precision and attention implementation."""
+    """The base causal LM at the requested precision and attention implementation, with the starting adapter
+    (``settings.adapter``) merged in when one is set."""
     from transformers import AutoModelForCausalLM
 
     _check_attention(settings.attn_implementation)
@@ -321,12 +334,43 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
         if device is not None:
             kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(settings.name), **kwargs)
+    if settings.adapter:
+        model = merge_adapter(model, settings.adapter)
     if settings.load_in_4bit and torch.device(device or "cpu").type == "cpu":
         check_cpu_4bit_widths(model)
     if device is not None and not settings.load_in_4bit:
         model.to(device)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     return model
+
+
+def check_adapter_dir(path: str) -> Path:
+    """The adapter directory of ``model.adapter``, or a one-line error saying what is wrong and what to give."""
+    out = Path(path).expanduser()
+    if not out.is_dir():
+        raise FileNotFoundError(f"model.adapter={path!r}: no such directory (give a PEFT adapter directory such as "
+                                f"checkpoints/<run>/adapters/last, written by `vpo sft` or `vpo fit`)")
+    if not (out / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"model.adapter={path!r} has no adapter_config.json (not a PEFT adapter directory)")
+    return out
+
+
+def merge_adapter(model: nn.Module, path: str) -> nn.Module:
+    """Apply the PEFT adapter at ``path`` to ``model`` and fold it into the weights (``W += B A * scale``).
+
+    The result is a plain model (no PEFT wrapper) whose weights are the adapted policy's, so a new adapter added
+    on top starts from it and, disabled, gives it back.
+    """
+    from peft import PeftModel
+
+    folder = check_adapter_dir(path)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(folder))
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(f"model.adapter={path!r} does not fit model.name (trained on another base? {err})"[:400]
+                         ) from None
+    log.info("merged the starting adapter %s into the base weights", folder)
+    return peft_model.merge_and_unload()
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -217,7 +217,7 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
             if raw.get("name") and saved.get("name") != raw.get("name"):
                 log.warning("--ckpt was trained on %s, not the config's %s: using %s", saved.get("name"),
                             raw.get("name"), saved.get("name"))
-            raw.update({k: saved[k] for k in ("name", "lora") if k in saved})
+            raw.update({k: saved[k] for k in ("name", "lora", "adapter") if k in saved})
         settings = ModelSettings(**known(ModelSettings, raw))
         model = load_ckpt_policy(settings, state, device)
         info.update(weights_sha256=sha256_file(path), global_step=state.get("global_step"))

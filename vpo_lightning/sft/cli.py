@@ -1,0 +1,64 @@
+"""``vpo sft``: LightningCLI over SFTModule + SFTDataModule, with the same outputs and checkpoints as ``vpo fit``.
+
+    vpo sft --config configs/tooluse_sft.yaml                    # train the cold-start adapter
+    vpo sft --config configs/tooluse_sft.yaml --ckpt_path last   # resume checkpoints/<run_name>/last.ckpt
+    vpo sft --help                                               # every argument, with its documentation
+
+Outputs go to ``checkpoints/<run_name>/``: ``config.yaml``, TensorBoard logs, ``last.ckpt``/``step=N.ckpt`` and the
+PEFT adapter beside each (``adapters/last``): give that to RL as ``model.model.adapter``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser
+
+from vpo_lightning.checkpointing import AdapterCheckpoint
+from vpo_lightning.cli import OUTPUT_ROOT, VPOCLI
+from vpo_lightning.sft.data import SFTDataModule
+from vpo_lightning.sft.module import SFTModule
+from vpo_lightning.tools import report_error
+
+
+class SFTCLI(VPOCLI):
+    """VPOCLI without the rollout section: ``run_name``, ``checkpoint:`` and the same trainer defaults."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_name", type=str, default="sft", help="outputs go to checkpoints/<run_name>/")
+        parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
+        parser.link_arguments("model.model.name", "data.tokenizer")
+        parser.set_defaults({
+            "trainer.max_steps": 100,
+            "trainer.log_every_n_steps": 1,
+            "trainer.num_sanity_val_steps": 0,
+            "trainer.enable_model_summary": False,
+            "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
+            "trainer.callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"},
+                                  {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+            "trainer.check_val_every_n_epoch": None,
+            "trainer.val_check_interval": 50,
+        })
+
+
+def make_cli(args: list[str], run: bool = True) -> SFTCLI:
+    """The SFT CLI on ``args`` (``fit`` is implied: ``vpo sft --config X`` = ``fit --config X``)."""
+    argv = list(args)
+    if run and (not argv or argv[0] != "fit"):
+        argv = ["fit", *argv]
+    return SFTCLI(SFTModule, SFTDataModule, args=argv, run=run,
+                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
+                  save_config_kwargs={"overwrite": True}, subclass_mode_model=False, subclass_mode_data=False)
+
+
+def main(args: list[str]) -> Any:
+    """``vpo sft ...`` (called by :func:`vpo_lightning.cli.main`)."""
+    warnings.filterwarnings("ignore", message=".*args. parameter is intended to run from within Python.*")
+    try:
+        make_cli(args)
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:
+        raise SystemExit(report_error("vpo sft", err)) from None
+    return None

@@ -1,0 +1,259 @@
+"""SFT data: demonstrations tokenised as rollouts see them, a held-out part for the validation loss, and packing.
+
+Tokenisation matches the rollout exactly: the prompt is :func:`vpo_lightning.models.prompt_token_ids` of the
+messages (chat template with the assistant generation prompt), the completion is the demonstration text followed
+by the tokenizer's EOS (where generation stops). Only completion tokens carry loss.
+
+Packing puts several examples in one row ``[prompt_1 | completion_1 | prompt_2 | completion_2 | ...]`` with a
+block-diagonal causal mask (:func:`vpo_lightning.packing.packed_attention_mask` with no shared prompt: each
+example attends only to itself) and position ids that restart at 0 for every example, so a packed row computes
+the same log-probs as the examples one by one, without padding.
+
+Batches come from :class:`vpo_lightning.datamodule.PromptStream` (a seeded order and a position saved in every
+checkpoint), so ``--ckpt_path last`` resumes at the next unseen batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from vpo_lightning.datamodule import PromptStream
+from vpo_lightning.packing import packed_attention_mask
+
+log = logging.getLogger(__name__)
+
+
+def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], completion: str) -> dict[str, list[int]]:
+    """``{"prompt_ids", "completion_ids"}``: the rollout's prompt tokens and the completion's tokens + EOS."""
+    from vpo_lightning.models import prompt_token_ids
+
+    prompt = prompt_token_ids(tokenizer, messages)
+    comp = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return {"prompt_ids": prompt, "completion_ids": comp}
+
+
+def pack_examples(examples: list[dict[str, Any]], max_tokens: int, pack: bool = True,
+                  mask_dtype: torch.dtype = torch.bool) -> list[dict[str, Tensor]]:
+    """Rows for one batch of tokenised examples.
+
+    With ``pack``, examples are placed first-fit (in order) into rows of at most ``max_tokens`` tokens (an
+    example longer than that gets a row of its own); without, one example a row.
+
+    Returns:
+        One dict per row: ``input_ids`` and ``position_ids`` ``[1, T]``, ``attention_mask`` (``[1, 1, T, T]``
+        block-diagonal causal when packed, ``[1, T]`` ones for a single example), ``gather`` ``[K]`` (the position
+        whose hidden state predicts each completion token) and ``targets`` ``[K]`` (those tokens).
+    """
+    rows: list[list[dict[str, Any]]] = []
+    sizes: list[int] = []
+    for ex in examples:
+        n = len(ex["prompt_ids"]) + len(ex["completion_ids"])
+        for i, size in enumerate(sizes):
+            if pack and size + n <= max_tokens:
+                rows[i].append(ex)
+                sizes[i] += n
+                break
+        else:
+            rows.append([ex])
+            sizes.append(n)
+    out = []
+    for row in rows:
+        ids, pos, gather, targets, lengths, start = [], [], [], [], [], 0
+        for ex in row:
+            p, c = ex["prompt_ids"], ex["completion_ids"]
+            n = len(p) + len(c)
+            ids += p + c
+            pos += list(range(n))
+            gather += range(start + len(p) - 1, start + n - 1)  # the state before each completion token
+            targets += c
+            lengths.append(n)
+            start += n
+        mask = (packed_attention_mask(0, lengths, mask_dtype) if len(row) > 1
+                else torch.ones(1, start, dtype=torch.long))
+        out.append({
+            "input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "attention_mask": mask,
+            "gather": torch.tensor(gather, dtype=torch.long), "targets": torch.tensor(targets, dtype=torch.long),
+        })
+    return out
+
+
+def _collate(batch: dict[str, Any]) -> dict[str, Any]:
+    return batch
+
+
+class SFTDataModule(L.LightningDataModule):
+    """Demonstrations for ``vpo sft``: built from a task's training files, or read ready-made.
+
+    Args:
+        train_files: training JSONL files. With a ``builder``, task records (data/<task>/train.jsonl; val/test
+            files are refused); with ``builder: none``, ready demonstrations ``{"messages": [...], "completion":
+            str}`` (the messages end with the user turn; the completion is the assistant's reply).
+        builder: tooluse or maze (demonstrations built from the records, see vpo_lightning/sft/demos.py), or
+            none.
+        formats: answers per demonstration: 1 = single answer, m > 1 = an m-answer chain; [1, 3] gives both,
+            so that GRPO (single answers) and VPO (3-answer chains) can start from the same adapter.
+        val_fraction: fraction of the training records held out (all their demonstrations) for the validation
+            loss.
+        max_val_examples: at most this many held-out demonstrations are scored at each validation.
+        batch_size: demonstrations per optimizer step.
+        max_tokens_per_row: packed row length (tokens); several demonstrations share a row.
+        pack: pack demonstrations into rows (False: one a row; same loss, more passes).
+        max_prompt_tokens: drop demonstrations whose prompt is longer (0 = keep all); match the RL config's
+            data.max_prompt_tokens.
+        max_completion_tokens: drop demonstrations whose completion (with EOS) is longer (0 = keep all); match the
+            RL config's rollout.sampling.max_new_tokens so that demonstrations fit the generation budget.
+        max_train_examples: use at most this many training demonstrations after filtering (0 = all).
+        seed: seed of the demonstrations, of the held-out split and of the shuffling order.
+        tokenizer: model name used to tokenise (linked to model.model.name by the CLI).
+    """
+
+    def __init__(
+        self,
+        train_files: list[str],
+        builder: Literal["tooluse", "maze", "none"] = "none",
+        formats: list[int] | None = None,
+        val_fraction: float = 0.05,
+        max_val_examples: int = 64,
+        batch_size: int = 8,
+        max_tokens_per_row: int = 2048,
+        pack: bool = True,
+        max_prompt_tokens: int = 0,
+        max_completion_tokens: int = 0,
+        max_train_examples: int = 0,
+        seed: int = 0,
+        tokenizer: str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.train_files, self.builder = list(train_files), builder
+        self.formats = list(formats) if formats is not None else [1]
+        self.val_fraction, self.max_val_examples = val_fraction, max_val_examples
+        self.batch_size, self.max_tokens_per_row, self.pack = batch_size, max_tokens_per_row, pack
+        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self.max_train_examples, self.seed, self.tokenizer = max_train_examples, seed, tokenizer
+        self.train_examples: list[dict[str, Any]] = []
+        self.val_examples: list[dict[str, Any]] = []
+        self.train_stream: PromptStream | None = None
+        self._position = 0
+
+    # ---- building ------------------------------------------------------------------------------------------
+    def demonstrations(self) -> list[dict[str, Any]]:
+        """The untokenised demonstrations (built, or read from ready-made files)."""
+        if self.builder != "none":
+            from vpo_lightning.sft.demos import build_demos
+
+            demos, skipped = build_demos(self.train_files, self.builder, self.formats, self.seed)
+            if skipped:
+                log.info("skipped %d training records whose prompt is also in val/test", skipped)
+            return demos
+        return [d for f in self.train_files for d in _read_demos(f)]
+
+    def split(self, demos: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(train, held-out): whole source records are held out, so no prompt is on both sides."""
+        sources = sorted({str(d.get("source_id", d["id"])) for d in demos})
+        random.Random(self.seed).shuffle(sources)
+        held = set(sources[: round(self.val_fraction * len(sources))])
+        train = [d for d in demos if str(d.get("source_id", d["id"])) not in held]
+        val = [d for d in demos if str(d.get("source_id", d["id"])) in held]
+        return train, val
+
+    def _tokenize(self, demos: list[dict[str, Any]], tok: Any) -> list[dict[str, Any]]:
+        out, dropped = [], 0
+        for d in demos:
+            ex = tokenize_example(tok, d["messages"], d["completion"])
+            if (self.max_prompt_tokens and len(ex["prompt_ids"]) > self.max_prompt_tokens) or (
+                    self.max_completion_tokens and len(ex["completion_ids"]) > self.max_completion_tokens):
+                dropped += 1
+                continue
+            out.append({"id": d["id"], "m": d.get("m", 1), **ex})
+        if dropped:
+            log.info("dropped %d of %d demonstrations longer than data.max_prompt_tokens/max_completion_tokens",
+                     dropped, len(demos))
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_stream is not None:
+            return
+        from vpo_lightning.models import load_tokenizer
+
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer is not set (the CLI links it to model.model.name)")
+        tok = load_tokenizer(self.tokenizer)
+        train, val = self.split(self.demonstrations())
+        self.train_examples = self._tokenize(train, tok)
+        if self.max_train_examples:
+            self.train_examples = self.train_examples[: self.max_train_examples]
+        self.val_examples = self._tokenize(val, tok)[: self.max_val_examples or None]
+        if len(self.train_examples) < self.batch_size:
+            raise ValueError(f"{len(self.train_examples)} training demonstrations is fewer than one batch "
+                             f"(data.batch_size={self.batch_size}): lower it or relax the length limits")
+        log.info("SFT: %d training and %d held-out demonstrations", len(self.train_examples), len(self.val_examples))
+        self.train_stream = PromptStream(self.train_examples, self.batch_size, self.seed)
+        self.train_stream.position = self._position
+        if self.trainer is not None:
+            self.train_stream.rank, self.train_stream.world_size = self.trainer.global_rank, self.trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_stream, batch_size=None, collate_fn=_collate)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_examples:  # data.val_fraction = 0: no validation loss
+            return []
+        stream = PromptStream(self.val_examples, self.batch_size, self.seed, shuffle=False)
+        if self.trainer is not None:
+            stream.rank, stream.world_size = self.trainer.global_rank, self.trainer.world_size
+        return DataLoader(stream, batch_size=None, collate_fn=_collate)
+
+    # ---- position (resume) -----------------------------------------------------------------------------------
+    def mark_consumed(self, position: int) -> None:
+        """Called after each training batch: the next batch to serve is ``position + 1``."""
+        self._position = position + 1
+        if self.train_stream is not None:
+            self.train_stream.position = self._position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self._position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._position = int(state.get("position", 0))
+        if self.train_stream is not None:
+            self.train_stream.position = self._position
+
+
+def _read_demos(path: str | Path) -> list[dict[str, Any]]:
+    """Ready-made demonstrations: one ``{"messages": [...], "completion": str}`` a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist (check data.train_files)")
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+        msgs = d.get("messages") if isinstance(d, dict) else None
+        if not isinstance(msgs, list) or not msgs or not isinstance(d.get("completion"), str):
+            raise ValueError(f"{where}: a demonstration needs 'messages' (ending with the user turn) and a "
+                             "'completion' string (or set data.builder to tooluse/maze for task records)")
+        if not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "user":
+            raise ValueError(f"{where}: the last message must have role 'user' (the completion answers it)")
+        d.setdefault("id", f"{path.stem}-{lineno}")
+        out.append(d)
+    if not out:
+        raise ValueError(f"data file {str(path)!r} is empty: it needs one demonstration per line")
+    return out

@@ -1,0 +1,215 @@
+"""``SFTModule``: supervised fine-tuning of the policy on demonstrations (the cold start before RL).
+
+The same model loading as ``vpo fit`` (:func:`vpo_lightning.models.load_base_model`: alias, GGUF, directory, hub;
+dtype; LoRA/QLoRA; a starting ``model.adapter``), the same chunked log-prob core (:func:`per_token_logprobs`), the
+same checkpoints (``AdapterCheckpoint``: atomic, PEFT adapter exported beside each). The loss is the mean negative
+log-likelihood of the completion tokens of a batch (prompt tokens carry none), over packed rows
+(:func:`vpo_lightning.sft.data.pack_examples`); each row is backpropagated on its own, weighted by its share of the
+batch's completion tokens, so memory holds one row's activations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from vpo_lightning.losses import per_token_logprobs
+from vpo_lightning.models import (
+    ModelSettings,
+    count_parameters,
+    enable_activation_checkpointing,
+    load_base_model,
+    load_tokenizer,
+    wrap_lora,
+)
+from vpo_lightning.module import _peak_rss_gb
+from vpo_lightning.sft.data import pack_examples
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTOptimSettings:
+    """SFT optimiser settings (AdamW; linear warm-up, then linear decay to ``min_lr_ratio`` at max_steps).
+
+    Args:
+        lr: peak learning rate (LoRA: ~1e-4..5e-4).
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: the learning rate at the last step, as a fraction of ``lr`` (1.0 = constant).
+        max_grad_norm: gradient clipping norm (0 = off).
+        logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
+        max_bad_steps: stop with an error after this many non-finite steps in a row.
+    """
+
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    logprob_chunk_size: int = 1024
+    max_bad_steps: int = 3
+
+
+def row_nll(model: nn.Module, row: dict[str, Tensor], chunk_size: int = 1024) -> tuple[Tensor, int]:
+    """(sum of -log p over the row's completion tokens, their count) for one packed row."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    hidden = decoder(input_ids=row["input_ids"], attention_mask=row["attention_mask"],
+                     position_ids=row["position_ids"], use_cache=False).last_hidden_state  # [1, T, H]
+    hidden = hidden[0, row["gather"]][None]  # [1, K, H] the state before each completion token
+    logp = per_token_logprobs(hidden, head, row["targets"][None], chunk_size=chunk_size)  # [1, K]
+    return -logp.sum(), int(row["targets"].numel())
+
+
+class SFTModule(L.LightningModule):
+    """The policy (LoRA by default) trained on demonstrations with a completion-only NLL loss.
+
+    Args:
+        model: which model to load, precision, attention, LoRA / QLoRA, gradient checkpointing, starting adapter.
+        optim: optimiser and numerical-guard settings.
+    """
+
+    def __init__(
+        self,
+        model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings object
+        optim: SFTOptimSettings = SFTOptimSettings(),  # noqa: B008
+    ) -> None:
+        super().__init__()
+        self.model_settings, self.optim_settings = model, optim
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold only trainable weights (the adapter)
+        self.policy: nn.Module | None = None
+        self.tokenizer: Any = None
+        self._bad_steps = 0
+        self._val_sum, self._val_count = 0.0, 0
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.model_settings.lora.enabled
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        s = self.model_settings
+        self.tokenizer = load_tokenizer(s.name)
+        device = self.device if self.device.type == "cuda" else None
+        base = load_base_model(s, device)
+        if s.lora.enabled:
+            self.policy = wrap_lora(base, s.lora, s.gradient_checkpointing)
+        else:
+            if s.gradient_checkpointing:
+                enable_activation_checkpointing(base)
+            self.policy = base
+        trainable, total = count_parameters(self.policy)
+        log.info("SFT policy %s: %s trainable of %s parameters", s.name, f"{trainable:,}", f"{total:,}")
+
+    def rows(self, examples: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
+        """Packed rows of a batch, on the module's device, with the mask type the attention wants."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        max_tokens = getattr(dm, "max_tokens_per_row", 2048)
+        pack = getattr(dm, "pack", True)
+        impl = self.model_settings.attn_implementation
+        if impl == "flash_attention_2":
+            pack = False  # no custom 4D masks there
+        dtype = torch.bool if impl == "sdpa" else self.policy.get_input_embeddings().weight.dtype
+        return [{k: v.to(self.device) for k, v in r.items()} for r in pack_examples(examples, max_tokens, pack, dtype)]
+
+    def batch_loss(self, examples: list[dict[str, Any]], backward: bool = False) -> tuple[float, int]:
+        """Mean completion NLL of a batch (and its token count); with ``backward``, accumulates its gradients."""
+        rows = self.rows(examples)
+        total = sum(int(r["targets"].numel()) for r in rows)
+        loss_sum = 0.0
+        for row in rows:
+            nll, n = row_nll(self.policy, row, self.optim_settings.logprob_chunk_size)
+            if backward:
+                self.manual_backward(nll / max(total, 1))
+            loss_sum += float(nll.detach())
+        return loss_sum / max(total, 1), total
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss, tokens = self.batch_loss(batch["records"], backward=True)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_settings.max_grad_norm or float("inf")))
+        ok = math.isfinite(loss) and math.isfinite(norm)
+        if ok:
+            opt.step()
+            sched.step()
+            self._bad_steps = 0
+        else:
+            self._bad_steps += 1
+            log.warning("non-finite SFT step %d (loss %s, grad norm %s): skipped", self.global_step, loss, norm)
+            if self._bad_steps >= self.optim_settings.max_bad_steps:
+                raise FloatingPointError(f"{self._bad_steps} non-finite SFT steps in a row: lower model.optim.lr "
+                                         "or set model.model.dtype=fp32")
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        self.log_dict({
+            "train/loss": loss, "train/completion_tokens": float(tokens), "train/grad_norm": norm,
+            "train/tokens_per_s": tokens / max(elapsed, 1e-9), "train/step_time_s": elapsed,
+            "train/skipped_steps": float(not ok), "train/peak_rss_gb": _peak_rss_gb(),
+            "train/lr": sched.get_last_lr()[0],
+        }, on_step=True, batch_size=1)
+        self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
+        # here, not in on_train_batch_end: checkpoint callbacks run before the module's batch-end hook, and the
+        # position they save must already count this batch
+        dm = self.trainer.datamodule
+        if dm is not None and hasattr(dm, "mark_consumed"):
+            dm.mark_consumed(batch["position"])
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum, self._val_count = 0.0, 0
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        loss, tokens = self.batch_loss(batch["records"])
+        self._val_sum += loss * tokens
+        self._val_count += tokens
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_count:
+            self.log("val/loss", self._val_sum / self._val_count, prog_bar=True, batch_size=1)
+
+    # ---- optimiser and checkpoints --------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        o = self.optim_settings
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        total = max(1, int(self.trainer.max_steps or 1)) if self._trainer is not None else 1
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """Set the learning rate from the schedule at the current step: a run resumed with another
+        ``trainer.max_steps`` follows the new schedule instead of the learning rate saved with the optimizer."""
+        o, sched = self.optim_settings, self.lr_schedulers()
+        factor = lr_factor(sched.last_epoch, o.warmup_steps, max(1, int(self.trainer.max_steps or 1)), o.min_lr_ratio)
+        for group, base in zip(self.optimizers().optimizer.param_groups, sched.base_lrs):
+            group["lr"] = base * factor
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only trainable weights (the adapter, or all policy weights for full fine-tuning)."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["vpo_bad_steps"] = self._bad_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._bad_steps = checkpoint.get("vpo_bad_steps", 0)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps to 1, then linear decay to ``min_ratio`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(1, total - warmup)
+    return max(min_ratio, 1.0 - (1.0 - min_ratio) * (step - warmup) / span)

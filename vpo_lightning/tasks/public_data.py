@@ -12,13 +12,17 @@ Parquet (needs ``pyarrow``), optionally gzip-compressed (``.gz``).
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from vpo_lightning.tasks import write_jsonl
 
 
 class DataUnavailable(FileNotFoundError):
@@ -106,9 +110,26 @@ def find_file(source: Path, stem: str) -> Path | None:
     return None
 
 
-def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """One compact JSON object per line, UTF-8, parents created."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+def split_parser(doc: str, task: str, what: str) -> argparse.ArgumentParser:
+    """The builders' shared arguments: ``--source`` (the public files) and ``--out`` (``data/<task>``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--source", type=Path, default=None,
+                        help=f"directory or file of {what} (default: data/{task}/raw, else the hub)")
+    parser.add_argument("--out", type=Path, default=Path(f"data/{task}"), help="output directory")
+    return parser
+
+
+def write_splits(build: Callable[[], dict[str, list[dict[str, Any]]]], out: Path,
+                 describe: Callable[[list[dict[str, Any]]], str]) -> int:
+    """Build the splits and write each non-empty one to ``out/<split>.jsonl`` (compact JSON lines); a missing source
+    or a bad argument is one line on stderr and exit code 2."""
+    try:
+        splits = build()
+    except (DataUnavailable, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, records in splits.items():
+        if records:
+            write_jsonl(records, out / f"{name}.jsonl", separators=(",", ":"))
+            print(f"{out / f'{name}.jsonl'}: {describe(records)}")
+    return 0

@@ -14,7 +14,6 @@ of the training questions to ``val.jsonl`` (default 0: the paper's split, no val
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from collections.abc import Sequence
@@ -30,7 +29,8 @@ from vpo_lightning.tasks.public_data import (
     from_hub,
     missing_data_message,
     read_records,
-    write_jsonl,
+    split_parser,
+    write_splits,
 )
 
 SUBSETS = ("questions_normal_5", "questions_hard_5")
@@ -83,23 +83,12 @@ def build_splits(public: dict[str, list[dict[str, Any]]], *, seed: int = 0, val:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=None,
-                        help=f"directory or file of the public question sets (default: {DEFAULT_RAW}, else the hub)")
-    parser.add_argument("--out", type=Path, default=Path("data/eureqa"), help="output directory")
+    parser = split_parser(__doc__, "eureqa", "the public question sets")
     parser.add_argument("--seed", type=int, default=0, help="seed of the mixed split")
     parser.add_argument("--val", type=int, default=0, help="training questions moved to val.jsonl (default 0)")
     args = parser.parse_args(argv)
-    try:
-        splits = build_splits(load_public(args.source), seed=args.seed, val=args.val)
-    except (DataUnavailable, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for name, records in splits.items():
-        if records:
-            write_jsonl(records, args.out / f"{name}.jsonl")
-            print(f"{args.out / f'{name}.jsonl'}: {len(records)} questions")
-    return 0
+    return write_splits(lambda: build_splits(load_public(args.source), seed=args.seed, val=args.val), args.out,
+                        lambda records: f"{len(records)} questions")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Date split of VPO-SPEC section 8: train = contest date before 2025-02-01; test =
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from collections.abc import Sequence
@@ -23,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from vpo_lightning.tasks.livecodebench import make_record, problem_date
-from vpo_lightning.tasks.public_data import DataUnavailable, from_hub, missing_data_message, read_records, write_jsonl
+from vpo_lightning.tasks.public_data import (
+    DataUnavailable,
+    from_hub,
+    missing_data_message,
+    read_records,
+    split_parser,
+    write_splits,
+)
 
 TRAIN_BEFORE = datetime(2025, 2, 1)
 TEST_BEFORE = datetime(2025, 5, 1)
@@ -78,24 +84,13 @@ def build_splits(problems: Sequence[dict[str, Any]], *, val: int = 0, seed: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=None,
-                        help=f"directory or file of the public JSONL files (default: {DEFAULT_RAW}, else the hub)")
-    parser.add_argument("--out", type=Path, default=Path("data/livecodebench"), help="output directory")
+    parser = split_parser(__doc__, "livecodebench", "the public JSONL files")
     parser.add_argument("--val", type=int, default=0, help="training problems moved to val.jsonl (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the val sample")
     args = parser.parse_args(argv)
-    try:
-        splits = build_splits(load_public(args.source), val=args.val, seed=args.seed)
-    except (DataUnavailable, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for name, records in splits.items():
-        if records:
-            write_jsonl(records, args.out / f"{name}.jsonl")
-            tests = sum(r["meta"]["num_tests"] for r in records)
-            print(f"{args.out / f'{name}.jsonl'}: {len(records)} problems, {tests} tests")
-    return 0
+    return write_splits(lambda: build_splits(load_public(args.source), val=args.val, seed=args.seed), args.out,
+                        lambda records: f"{len(records)} problems, {sum(r['meta']['num_tests'] for r in records)} "
+                                        "tests")
 
 
 if __name__ == "__main__":

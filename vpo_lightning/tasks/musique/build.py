@@ -17,7 +17,6 @@ Splits (records as in docs/ARCHITECTURE.md, see :mod:`vpo_lightning.tasks.musiqu
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from collections.abc import Sequence
@@ -31,7 +30,8 @@ from vpo_lightning.tasks.public_data import (
     from_hub,
     missing_data_message,
     read_records,
-    write_jsonl,
+    split_parser,
+    write_splits,
 )
 
 FILES = {"train": "musique_ans_v1.0_train", "validation": "musique_ans_v1.0_dev"}
@@ -98,25 +98,14 @@ def build_splits(public: dict[str, list[dict[str, Any]]], *, per_hop: int = 100,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=None,
-                        help=f"directory or file of the public JSONL files (default: {DEFAULT_RAW}, else the hub)")
-    parser.add_argument("--out", type=Path, default=Path("data/musique"), help="output directory")
+    parser = split_parser(__doc__, "musique", "the public JSONL files")
     parser.add_argument("--per_hop", type=int, default=100, help="test questions per hop count 2, 3, 4")
     parser.add_argument("--val_per_hop", type=int, default=20, help="val questions per hop count (0 = no val)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the stratified samples")
     args = parser.parse_args(argv)
-    try:
-        splits = build_splits(load_public(args.source), per_hop=args.per_hop, val_per_hop=args.val_per_hop,
-                              seed=args.seed)
-    except (DataUnavailable, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for name, records in splits.items():
-        if records:
-            write_jsonl(records, args.out / f"{name}.jsonl")
-            print(f"{args.out / f'{name}.jsonl'}: {len(records)} questions")
-    return 0
+    return write_splits(lambda: build_splits(load_public(args.source), per_hop=args.per_hop,
+                                             val_per_hop=args.val_per_hop, seed=args.seed),
+                        args.out, lambda records: f"{len(records)} questions")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ def test_config_check_keys_are_those_of_the_parser(fit_parser):
     leaves, sections = config_check.known_keys(fit_parser)
     assert {"rollout.group_size", "model.model.lora.r", "trainer.max_steps", "data.batch_size"} <= leaves
     for path in sorted((REPO / "configs").glob("*.yaml")):
+        if path.name.endswith("_sft.yaml"):
+            continue  # `vpo sft` configs have the SFT parser's keys; tests/test_sft.py parses them with it
         data = yaml.safe_load(path.read_text())
         assert config_check.config_file_keys(data, leaves, sections) == [], path.name
 

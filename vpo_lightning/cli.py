@@ -46,6 +46,21 @@ _SUBCOMMANDS_WITH_RUN = ("fit", "validate", "test")
 log = logging.getLogger("vpo_lightning.cli")
 
 
+# Trainer defaults of `vpo fit` and `vpo sft`: TensorBoard under checkpoints/<run_name>/, the step progress bar.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "trainer.max_steps": 100,
+    "trainer.log_every_n_steps": 1,
+    "trainer.num_sanity_val_steps": 0,
+    "trainer.enable_model_summary": False,
+    "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
+    "trainer.callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"},
+                          {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+    "trainer.check_val_every_n_epoch": None,
+    "trainer.val_check_interval": 50,
+}
+
+
 class VPOCLI(LightningCLI):
     """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
 
@@ -54,18 +69,7 @@ class VPOCLI(LightningCLI):
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
         parser.link_arguments("model.model.name", "data.tokenizer")
-        parser.set_defaults({
-            "trainer.max_steps": 100,
-            "trainer.log_every_n_steps": 1,
-            "trainer.num_sanity_val_steps": 0,
-            "trainer.enable_model_summary": False,
-            "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
-            "trainer.callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"},
-                                  {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
-            "trainer.check_val_every_n_epoch": None,
-            "trainer.val_check_interval": 50,
-        })
+        parser.set_defaults(TRAINER_DEFAULTS)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""

@@ -103,7 +103,44 @@ def _collate(batch: dict[str, Any]) -> dict[str, Any]:
     return batch  # batches are built whole by PromptStream
 
 
-class PromptDataModule(L.LightningDataModule):
+class StreamDataModule(L.LightningDataModule):
+    """What the prompt and SFT data modules share: rank-split streams, and a training position that every checkpoint
+    saves and a resume restores. Subclasses set ``train_stream`` (None until ``setup``) and ``_position``."""
+
+    train_stream: PromptStream | None
+    _position: int
+
+    def _stream(self, records: list[dict], batch_size: int, shuffle: bool = True, position: int = 0) -> PromptStream:
+        """A stream over ``records`` with this module's seed, split by rank when a trainer is attached."""
+        stream = PromptStream(records, batch_size, self.seed, shuffle=shuffle)
+        stream.position = position
+        if self.trainer is not None:
+            stream.rank, stream.world_size = self.trainer.global_rank, self.trainer.world_size
+        return stream
+
+    @staticmethod
+    def _loader(stream: PromptStream) -> DataLoader:
+        return DataLoader(stream, batch_size=None, collate_fn=_collate)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_stream)
+
+    def mark_consumed(self, position: int) -> None:
+        """Called for each training batch: the next batch to serve is ``position + 1``."""
+        self._position = position + 1
+        if self.train_stream is not None:
+            self.train_stream.position = self._position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self._position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._position = int(state.get("position", 0))
+        if self.train_stream is not None:
+            self.train_stream.position = self._position
+
+
+class PromptDataModule(StreamDataModule):
     """Streams prompts from JSONL files.
 
     Args:
@@ -161,35 +198,12 @@ class PromptDataModule(L.LightningDataModule):
             records = self._filter_length([r for f in self.train_files for r in read_jsonl(f)])
             if self.max_train_prompts:
                 records = records[: self.max_train_prompts]
-            self.train_stream = PromptStream(records, self.batch_size, self.seed)
-            self.train_stream.position = self._position
-            if self.trainer is not None:
-                self.train_stream.rank, self.train_stream.world_size = self.trainer.global_rank, self.trainer.world_size
+            self.train_stream = self._stream(records, self.batch_size, position=self._position)
             if len(records) < self.batch_size * self.train_stream.world_size:
                 raise ValueError(f"{len(records)} training prompts is fewer than one batch (data.batch_size)")
         if not self.val_records and self.val_files:
             val = [r for f in self.val_files for r in read_jsonl(f)]
             self.val_records = self._filter_length(val)[: self.max_val_prompts or None]
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_stream, batch_size=None, collate_fn=_collate)
-
     def val_dataloader(self) -> DataLoader:
-        stream = PromptStream(self.val_records, self.val_batch_size, self.seed, shuffle=False)
-        if self.trainer is not None:
-            stream.rank, stream.world_size = self.trainer.global_rank, self.trainer.world_size
-        return DataLoader(stream, batch_size=None, collate_fn=_collate)
-
-    def mark_consumed(self, position: int) -> None:
-        """Called by the rollout for each training batch: the next batch to serve is ``position + 1``."""
-        self._position = position + 1
-        if self.train_stream is not None:
-            self.train_stream.position = self._position
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self._position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._position = int(state.get("position", 0))
-        if self.train_stream is not None:
-            self.train_stream.position = self._position
+        return self._loader(self._stream(self.val_records, self.val_batch_size, shuffle=False))

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser
 
 from vpo_lightning.checkpointing import AdapterCheckpoint
-from vpo_lightning.cli import OUTPUT_ROOT, VPOCLI
+from vpo_lightning.cli import TRAINER_DEFAULTS, VPOCLI
 from vpo_lightning.sft.data import SFTDataModule
 from vpo_lightning.sft.module import SFTModule
 from vpo_lightning.tools import report_error
@@ -30,18 +30,7 @@ class SFTCLI(VPOCLI):
         parser.add_argument("--run_name", type=str, default="sft", help="outputs go to checkpoints/<run_name>/")
         parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
         parser.link_arguments("model.model.name", "data.tokenizer")
-        parser.set_defaults({
-            "trainer.max_steps": 100,
-            "trainer.log_every_n_steps": 1,
-            "trainer.num_sanity_val_steps": 0,
-            "trainer.enable_model_summary": False,
-            "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
-            "trainer.callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"},
-                                  {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
-            "trainer.check_val_every_n_epoch": None,
-            "trainer.val_check_interval": 50,
-        })
+        parser.set_defaults(TRAINER_DEFAULTS)
 
 
 def make_cli(args: list[str], run: bool = True) -> SFTCLI:

@@ -21,12 +21,11 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from vpo_lightning.datamodule import PromptStream
+from vpo_lightning.datamodule import PromptStream, StreamDataModule
 from vpo_lightning.packing import packed_attention_mask
 
 log = logging.getLogger(__name__)
@@ -86,11 +85,7 @@ def pack_examples(examples: list[dict[str, Any]], max_tokens: int, pack: bool = 
     return out
 
 
-def _collate(batch: dict[str, Any]) -> dict[str, Any]:
-    return batch
-
-
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(StreamDataModule):
     """Demonstrations for ``vpo sft``: built from a task's training files, or read ready-made.
 
     Args:
@@ -200,36 +195,12 @@ class SFTDataModule(L.LightningDataModule):
             raise ValueError(f"{len(self.train_examples)} training demonstrations is fewer than one batch "
                              f"(data.batch_size={self.batch_size}): lower it or relax the length limits")
         log.info("SFT: %d training and %d held-out demonstrations", len(self.train_examples), len(self.val_examples))
-        self.train_stream = PromptStream(self.train_examples, self.batch_size, self.seed)
-        self.train_stream.position = self._position
-        if self.trainer is not None:
-            self.train_stream.rank, self.train_stream.world_size = self.trainer.global_rank, self.trainer.world_size
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_stream, batch_size=None, collate_fn=_collate)
+        self.train_stream = self._stream(self.train_examples, self.batch_size, position=self._position)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_examples:  # data.val_fraction = 0: no validation loss
             return []
-        stream = PromptStream(self.val_examples, self.batch_size, self.seed, shuffle=False)
-        if self.trainer is not None:
-            stream.rank, stream.world_size = self.trainer.global_rank, self.trainer.world_size
-        return DataLoader(stream, batch_size=None, collate_fn=_collate)
-
-    # ---- position (resume) -----------------------------------------------------------------------------------
-    def mark_consumed(self, position: int) -> None:
-        """Called after each training batch: the next batch to serve is ``position + 1``."""
-        self._position = position + 1
-        if self.train_stream is not None:
-            self.train_stream.position = self._position
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self._position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._position = int(state.get("position", 0))
-        if self.train_stream is not None:
-            self.train_stream.position = self._position
+        return self._loader(self._stream(self.val_examples, self.batch_size, shuffle=False))
 
 
 def _read_demos(path: str | Path) -> list[dict[str, Any]]:

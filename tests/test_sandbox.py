@@ -103,11 +103,16 @@ def test_memory_bomb(guard: bool) -> None:
     assert score("x = bytearray(4 << 30)\nreturn a + b") == [False, False, False]
 
 
-@pytest.mark.parametrize("target", [str(REPO / "pwned.txt"), "/tmp/vpo-pwned.txt"])
+TMP_TARGET = "/tmp/vpo-pwned.txt"
+
+
+@pytest.mark.parametrize("target", [str(REPO / "pwned.txt"), TMP_TARGET])
 def test_write_outside_its_directory(target: str) -> None:
     body = f"open({target!r}, 'w').write('x')\nreturn a + b"
     scores = score(body)
-    if target.startswith("/tmp/") and sandbox.isolation_info()["kind"] in ("root", "userns"):
+    # the sandbox's /tmp is its own run directory: a file straight under it can be written (and vanishes with the
+    # run); the project's path cannot, wherever the clone lies (under /tmp too)
+    if target == TMP_TARGET and sandbox.isolation_info()["kind"] in ("root", "userns"):
         assert scores == [True, True, True]  # the sandbox's /tmp is its own run directory
     else:
         assert scores == [False, False, False]

@@ -45,7 +45,7 @@ def make_cli(args: list[str], run: bool = True) -> SFTCLI:
 
 def main(args: list[str]) -> Any:
     """``vpo sft ...`` (called by :func:`vpo_lightning.cli.main`)."""
-    warnings.filterwarnings("ignore", message=".*args. parameter is intended to run from within Python.*")
+    warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
     try:
         make_cli(args)
     except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:

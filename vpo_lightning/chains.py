@@ -62,7 +62,7 @@ def build_instruction(m: int, family: Family = "response") -> str:
     )
 
 
-def _tagged_block(text: str, tag: str) -> str | None:
+def tagged_block(text: str, tag: str) -> str | None:
     """Same result as ``re.search(f"<{tag}>(.*?)</{tag}>", text, re.DOTALL)``, in linear time.
 
     The leftmost match starts at the first opening tag: if the first opening tag has no closing tag after it,
@@ -126,7 +126,7 @@ def parse_chain(text: str, m: int, family: Family = "response") -> list[str | No
         raw += [None] * (m - len(raw))
     else:
         tag = "response" if family == "response" else "route"
-        raw = [_tagged_block(text, f"{tag}_{i}") for i in range(1, m + 1)]
+        raw = [tagged_block(text, f"{tag}_{i}") for i in range(1, m + 1)]
     return [_clean(block, family) for block in raw]
 
 

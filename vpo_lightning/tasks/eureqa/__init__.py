@@ -26,6 +26,8 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vpo_lightning.chains import tagged_block
+
 TASK = "eureqa"
 LETTERS = ("A", "B", "C", "D", "E")
 DIMS = tuple(f"entity_{x}" for x in LETTERS)
@@ -82,22 +84,13 @@ def make_record(example: Mapping[str, Any], split: str, subset: str) -> dict[str
     }
 
 
-def _block(text: str, tag: str) -> str | None:
-    start = text.find(f"<{tag}>")
-    if start < 0:
-        return None
-    start += len(tag) + 2
-    end = text.find(f"</{tag}>", start)
-    return None if end < 0 else text[start:end]
-
-
 def parse_entities(text: str) -> list[str | None]:
     """The five ``<entity_A>``..``<entity_E>`` contents (stripped; None where missing, unclosed or empty)."""
     if not isinstance(text, str):
         return [None] * 5
     out: list[str | None] = []
     for x in LETTERS:
-        block = _block(text, f"entity_{x}")
+        block = tagged_block(text, f"entity_{x}")
         out.append(block.strip() or None if block is not None else None)
     return out
 

@@ -31,6 +31,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vpo_lightning.chains import tagged_block
+
 TASK = "musique"
 MAX_HOPS = 4
 DIMS = ("hop_1", "hop_2", "hop_3", "hop_4", "answer_f1")
@@ -97,16 +99,6 @@ def make_record(example: Mapping[str, Any], split: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ parsing
 
 
-def _block(text: str, tag: str) -> str | None:
-    """Content of the first closed ``<tag>...</tag>`` (linear time), else None."""
-    start = text.find(f"<{tag}>")
-    if start < 0:
-        return None
-    start += len(tag) + 2
-    end = text.find(f"</{tag}>", start)
-    return None if end < 0 else text[start:end]
-
-
 def parse_answer(text: str) -> tuple[list[int], str | None]:
     """``(cited indices, answer)`` of one answer; never raises.
 
@@ -117,14 +109,14 @@ def parse_answer(text: str) -> tuple[list[int], str | None]:
     if not isinstance(text, str):
         return [], None
     cited: list[int] = []
-    support = _block(text, "support")
+    support = tagged_block(text, "support")
     if support is not None:
         for token in _INDEX.findall(support):
             if len(token) <= 6 and int(token) not in cited:
                 cited.append(int(token))
                 if len(cited) == MAX_HOPS:
                     break
-    answer = _block(text, "answer")
+    answer = tagged_block(text, "answer")
     answer = answer.strip() if answer is not None else None
     return cited, answer or None
 

@@ -212,3 +212,31 @@ def test_clear_errors(tmp_path, base_eval):
                                       "val") == "d/v.jsonl"
     cfg = runs.load_config(Path(config), ["rollout.sampling.max_new_tokens=3", "rollout.estimator=grpo"])
     assert cfg["rollout"]["sampling"]["max_new_tokens"] == 3 and cfg["rollout"]["estimator"] == "grpo"
+
+
+def test_eval_prefills_each_prompt_once_per_record(script_generation):
+    """A record whose chains share one prompt is one engine group (G = chains, prefilled once); goal-conditioned
+    records (a different prompt per chain) go row by row. Completions come back in the same order either way."""
+    from types import SimpleNamespace
+
+    from vpo_lightning.evaluate import Sampler, generate_rows
+    from vpo_lightning.protocol import ChainProtocol
+
+    class Tok:  # what ScriptedEngine uses of a tokenizer
+        def decode(self, ids: list[int]) -> str:
+            return " ".join(map(str, ids))
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": [len(text)]}
+
+    engine = script_generation(lambda prompt, row: f"row {row}")
+    ns = SimpleNamespace(tokenizer=Tok())
+    run = Sampler(ChainProtocol(["maze"], "vpo", 3), engine, None)
+    shared = [[[1, 2, 3]] * 4, [[4, 5]] * 4]  # 2 records x 4 chains, one prompt each
+    gen = generate_rows(run, ns, shared)
+    assert engine.prompts[-1] == [[1, 2, 3], [4, 5]]  # each prompt passed once, as a group of 4
+    assert gen.texts == [f"row {i}" for i in range(8)]
+    conditioned = [[[1, 2, 3], [1, 2, 4]], [[4, 5], [4, 6]]]  # a different shown weight per chain
+    gen = generate_rows(run, ns, conditioned)
+    assert engine.prompts[-1] == [[1, 2, 3], [1, 2, 4], [4, 5], [4, 6]]
+    assert gen.texts == [f"row {i}" for i in range(4)]

@@ -165,13 +165,22 @@ def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: 
     return [prompt_token_ids(tokenizer, messages) for messages in protocol.chain_messages(record, chains, seed)]
 
 
+def generate_rows(run: Sampler, ns: Any, per_record: list[list[list[int]]]) -> Any:
+    """One engine call for the prompt rows of several records (``per_record[i]``: record i's chains), completions
+    in the same order. When every chain of a record has the same prompt (all methods but goal-conditioned GRPO)
+    the record is one group, so the engine prefills its prompt once instead of once per chain."""
+    if all(row == rows[0] for rows in per_record for row in rows) and len({len(r) for r in per_record}) == 1:
+        return run.engine.generate(ns, [rows[0] for rows in per_record], len(per_record[0]), run.sampling)
+    return run.engine.generate(ns, [r for rows in per_record for r in rows], 1, run.sampling)
+
+
 def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
     """One engine call for all chains of ``records``; split the scored result back per prompt."""
     from vpo_lightning.protocol import derive_seed
 
-    rows = [r for rec in records for r in prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed)]
+    per_record = [prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed) for rec in records]  # [b][chains]
     torch.manual_seed(derive_seed(seed, "eval", call))
-    gen = run.engine.generate(ns, rows, 1, run.sampling)
+    gen = generate_rows(run, ns, per_record)
     cands = [run.protocol.candidates(t) for t in gen.texts]
     scores = run.protocol.score(cands, [rec for rec in records for _ in range(chains)])
     pools = []

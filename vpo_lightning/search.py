@@ -117,7 +117,7 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
     Returns:
         One :class:`ProblemState` per record, in order.
     """
-    from vpo_lightning.evaluate import prompt_rows
+    from vpo_lightning.evaluate import generate_rows, prompt_rows
     from vpo_lightning.protocol import derive_seed
 
     protocol = sampler.protocol
@@ -132,9 +132,9 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
         chains = min(step, total - active[0].chains)  # all active problems advance in lockstep
         for start in range(0, len(active), prompts_per_call):
             batch = active[start : start + prompts_per_call]
-            rows = [r for s in batch for r in prompt_rows(protocol, ns.tokenizer, s.record, chains, seed)]
+            per_record = [prompt_rows(protocol, ns.tokenizer, s.record, chains, seed) for s in batch]
             torch.manual_seed(derive_seed(seed, "search", rnd, call))
-            gen = sampler.engine.generate(ns, rows, 1, sampler.sampling)
+            gen = generate_rows(sampler, ns, per_record)
             call += 1
             cands: list[list[str | None]] = []
             for i, text in enumerate(gen.texts):

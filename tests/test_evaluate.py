@@ -240,3 +240,33 @@ def test_eval_prefills_each_prompt_once_per_record(script_generation):
     gen = generate_rows(run, ns, conditioned)
     assert engine.prompts[-1] == [[1, 2, 3], [1, 2, 4], [4, 5], [4, 6]]
     assert gen.texts == [f"row {i}" for i in range(4)]
+
+
+def test_from_samples_equals_a_smaller_evaluation(tmp_path, script_generation, tiny_model_dir, capsys):
+    """`--from_samples` on a 6-solution evaluation at --n 3 gives the metrics a 3-solution evaluation of the same
+    samples gives (the scripted engine answers the same whatever the budget), without sampling anything."""
+    records = _solvable_records(2)
+    data = tmp_path / "picked.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def answer(prompt: str, row: int) -> str:
+        record = next(r for r in records if r["messages"][-1]["content"] in prompt)
+        return f"<response_1>{_gold_answer(record)}</response_1>\n<response_2>no idea</response_2>"
+
+    engine = script_generation(answer)
+    common = ("--config", str(_config(tmp_path)), "--data_file", str(data), "--max_prompts", "2",
+              "--max_prompt_tokens", "0")
+    _run(*common, "--n", "6", "--out", str(tmp_path / "six"))
+    direct = _run(*common, "--n", "3", "--out", str(tmp_path / "three"))
+    calls = len(engine.prompts)
+    sub = _run("--from_samples", str(tmp_path / "six"), "--n", "3", "--out", str(tmp_path / "sub"))
+    assert len(engine.prompts) == calls  # nothing sampled
+    assert sub["n"] == 3 and sub["chains_per_prompt"] == 1 and sub["subsampled_from"] == str(tmp_path / "six")
+    drop = ("generated_tokens", "tokens_per_solution", "time_s")
+    for a, b in zip(sub["prompts"], direct["prompts"], strict=True):
+        assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+    assert {k: v for k, v in sub["aggregate"].items() if k not in drop} == {
+        k: v for k, v in direct["aggregate"].items() if k not in drop}
+    with pytest.raises(SystemExit) as err:  # asks for more solutions than the source has
+        vpo(["eval", "--from_samples", str(tmp_path / "six"), "--n", "9", "--out", str(tmp_path / "x")])
+    assert err.value.code == 2 and "more than the 6 solutions" in capsys.readouterr().err

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts batched into one generate call (default: 4)")
     p.add_argument("--orders", type=int, default=100, help="random pool orders averaged in best@k (default: 100)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--from_samples", metavar="EVAL_DIR",
+                   help="sample nothing: recompute the metrics from the first n solutions (n / m chains, in sampling "
+                        "order) of each prompt of an earlier `vpo eval` output (its samples.jsonl), e.g. a 24-sample "
+                        "evaluation reported at the n = 12 of other runs; loads no model")
     return p
 
 
@@ -412,10 +416,65 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
     }
 
 
+def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer: Any) -> list[PromptPool]:
+    """The first ``chains`` chains of each prompt of an earlier evaluation (its ``samples.jsonl``, sampling order);
+    a chain's tokens are its text re-tokenised plus EOS (the file keeps no ids)."""
+    import json
+
+    from vpo_lightning.datamodule import read_jsonl
+
+    records = {r.get("id"): r for r in read_jsonl(report["data_file"])}
+    rows: dict[Any, list[dict]] = {}
+    for line in (src / "samples.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        rows.setdefault(rec["id"], []).append(rec)
+    dim = len(report["dim_names"])
+    pools = []
+    for prompt in report["prompts"]:
+        chain_rows = sorted(rows[prompt["id"]], key=lambda r: r["chain"])[:chains]
+        rewards = torch.tensor([[r if r is not None else [0.0] * dim for r in c["rewards"]] for c in chain_rows])
+        mask = torch.tensor([[r is not None for r in c["rewards"]] for c in chain_rows])
+        texts = [c["text"] for c in chain_rows]
+        tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
+        pools.append(PromptPool(records[prompt["id"]], rewards, mask, texts, tokens, 0))
+    return pools
+
+
+def run_from_samples(args: argparse.Namespace) -> Path:
+    """``--from_samples``: the metrics of the first ``--n`` solutions of an earlier evaluation, nothing sampled."""
+    import json
+
+    from vpo_lightning.models import load_tokenizer
+
+    src = Path(args.from_samples)
+    if not (src / "eval.json").is_file() or not (src / "samples.jsonl").is_file():
+        raise ValueError(f"--from_samples {src}: not a `vpo eval` output directory (needs eval.json and samples.jsonl)")
+    report = json.loads((src / "eval.json").read_text(encoding="utf-8"))
+    m = int(report["m"])
+    _check_args(args, m)
+    if args.n > report["n"]:
+        raise ValueError(f"--n {args.n} is more than the {report['n']} solutions per prompt of {src}")
+    pools = pools_from_samples(src, report, args.n // m, load_tokenizer(report["model"]))
+    per_prompt = [prompt_metrics(p, report["seed"], args.orders, report.get("f_weights")) for p in pools]
+    t0 = time.perf_counter()
+    report.update({
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "n": args.n,
+        "chains_per_prompt": args.n // m, "best_at_k_orders": args.orders, "subsampled_from": str(src),
+        "label": args.label or report["label"], "prompts": per_prompt,
+        "aggregate": aggregate_metrics(pools, per_prompt, report["dim_names"], report["seed"]),
+    })
+    report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)  # recomputing only: nothing sampled
+    out = Path(args.out) if args.out else src.parent / f"{src.name}-n{args.n}"
+    write_outputs(out, report, pools)
+    return out
+
+
 def run(args: argparse.Namespace) -> Path:
     """Evaluate as ``args`` says; returns the output directory."""
     from vpo_lightning.models import load_tokenizer
 
+    if args.from_samples:
+        return run_from_samples(args)
     t0 = time.perf_counter()
     config = find_config(args.config, args.ckpt, args.adapter)
     cfg = load_config(config, args.overrides, require=("rollout",))

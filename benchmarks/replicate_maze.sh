@@ -29,6 +29,7 @@
 #                           model (smoke runs only: the embedded model writes almost no routes before a cold start)
 #   VPO_CONFIG [configs/maze5_shaped.yaml]  GRPO_CONFIG [configs/maze5_shaped_grpo.yaml]
 #   SEEDS ["0 1 2"]          training seeds (seed_everything, rollout.seed); also the evaluation sampling seeds
+#   SFT_SEEDS [$SEEDS]       sampling seeds of the starting policy's evaluations (fewer saves CPU time)
 #   STEPS [30]               optimizer steps of each VPO run
 #   N [12]                   solutions per test prompt for every method (a multiple of m = 3)
 #   PROMPTS [50]             held-out mazes (a seeded sample of the config's test split, prompt seed 0)
@@ -45,6 +46,7 @@ SFT_ADAPTER=${SFT_ADAPTER:?set SFT_ADAPTER to the vpo sft adapter directory (or 
 VPO_CONFIG=${VPO_CONFIG:-configs/maze5_shaped.yaml}
 GRPO_CONFIG=${GRPO_CONFIG:-configs/maze5_shaped_grpo.yaml}
 read -r -a SEED_LIST <<< "${SEEDS:-0 1 2}"
+read -r -a SFT_SEED_LIST <<< "${SFT_SEEDS:-${SEED_LIST[*]}}"
 STEPS=${STEPS:-30}
 N=${N:-12}
 PROMPTS=${PROMPTS:-50}
@@ -134,22 +136,27 @@ if has_part eval; then
     evaluate "vpo-s$seed" "VPO s$seed" "$seed" --config "$VPO_CONFIG" --ckpt "checkpoints/$PREFIX-vpo-s$seed/last.ckpt"
     evaluate "grpo-s$seed" "GRPO s$seed" "$seed" --config "$GRPO_CONFIG" \
       --ckpt "checkpoints/$PREFIX-grpo-s$seed/last.ckpt"
+  done
+  for seed in "${SFT_SEED_LIST[@]}"; do
     evaluate "sft-single-s$seed" "SFT single s$seed" "$seed" --config "$GRPO_CONFIG"
     evaluate "sft-chains-s$seed" "SFT chains s$seed" "$seed" --config "$VPO_CONFIG"
   done
 fi
 
 if has_part report; then
-  group() { local IFS=,; local out=(); for s in "${SEED_LIST[@]}"; do out+=("$EVAL_DIR/$1-s$s"); done; echo "${out[*]}"; }
+  group() {  # $1 = evaluation name, then the seeds
+    local name=$1 IFS=,; shift; local out=(); for s in "$@"; do out+=("$EVAL_DIR/$name-s$s"); done; echo "${out[*]}"
+  }
   SFT_LABEL=$([[ "$SFT_ADAPTER" == none ]] && echo "base" || echo "SFT")
-  "$PY" -m vpo_lightning.replicates --group "VPO=$(group vpo)" --group "GRPO=$(group grpo)" \
-    --group "$SFT_LABEL, 3-answer chains=$(group sft-chains)" --group "$SFT_LABEL, single answers=$(group sft-single)" \
+  "$PY" -m vpo_lightning.replicates --group "VPO=$(group vpo "${SEED_LIST[@]}")" --group "GRPO=$(group grpo "${SEED_LIST[@]}")" \
+    --group "$SFT_LABEL, 3-answer chains=$(group sft-chains "${SFT_SEED_LIST[@]}")" \
+    --group "$SFT_LABEL, single answers=$(group sft-single "${SFT_SEED_LIST[@]}")" \
     --out "$RESULTS" \
     --title "Maze ($(basename "$VPO_CONFIG" .yaml)): VPO vs GRPO from the same cold start, matched on generated tokens"
   STEM="${RESULTS%.md}"
   all=()
-  for s in "${SEED_LIST[@]}"; do all+=("$EVAL_DIR/vpo-s$s" "$EVAL_DIR/grpo-s$s" "$EVAL_DIR/sft-chains-s$s" \
-                                       "$EVAL_DIR/sft-single-s$s"); done
+  for s in "${SEED_LIST[@]}"; do all+=("$EVAL_DIR/vpo-s$s" "$EVAL_DIR/grpo-s$s"); done
+  for s in "${SFT_SEED_LIST[@]}"; do all+=("$EVAL_DIR/sft-chains-s$s" "$EVAL_DIR/sft-single-s$s"); done
   vpo compare "${all[@]}" --out "${STEM}_runs.md" --title "Maze: every evaluated run (one row per seed)"
   first=${SEED_LIST[0]}
   read -r DATA_FILE FIRST_ID < <("$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); \
@@ -165,11 +172,11 @@ print(r['data_file'], r['prompts'][0]['id'])" "$EVAL_DIR/vpo-s$first/eval.json")
     echo "## How this was produced"
     echo
     echo "\`bash benchmarks/replicate_maze.sh\` with SFT_ADAPTER=$SFT_ADAPTER VPO_CONFIG=$VPO_CONFIG" \
-      "GRPO_CONFIG=$GRPO_CONFIG SEEDS='${SEED_LIST[*]}' STEPS=$STEPS N=$N PROMPTS=$PROMPTS" \
+      "GRPO_CONFIG=$GRPO_CONFIG SEEDS='${SEED_LIST[*]}' SFT_SEEDS='${SFT_SEED_LIST[*]}' STEPS=$STEPS N=$N PROMPTS=$PROMPTS" \
       "MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-config} DTYPE=${DTYPE:-config} EXTRA_FIT='${EXTRA_FIT:-}'" \
       "EXTRA_EVAL='${EXTRA_EVAL:-}', commit $COMMIT, $(nproc) CPU cores. Each VPO run trains $STEPS optimizer" \
       "steps; the GRPO run of the same seed trains until it has generated as many tokens. The $SFT_LABEL rows" \
-      "are the starting policy, evaluated once per seed (as the sampling seed). Per-run rows: ${STEM##*/}_runs.md."
+      "are the starting policy, evaluated once per SFT seed (as the sampling seed). Per-run rows: ${STEM##*/}_runs.md."
     echo
     echo "![VPO chain](${STEM##*/}_vpo_chain.png) ![GRPO samples](${STEM##*/}_grpo_samples.png)"
     echo

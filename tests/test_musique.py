@@ -177,8 +177,8 @@ def test_vpo_eval_uses_the_weighted_f(tmp_path, monkeypatch, tiny_model_dir):
             prompt = module.tokenizer.decode(row)
             gt = next(r for r in records if r["messages"][-1]["content"] in prompt)["ground_truth"]
             all_hops = ", ".join(map(str, gt["support"]))
-            texts.append(f"<response_1><support>{all_hops}</support><answer>nobody</answer></response_1>"
-                         f"<response_2><answer>{gt['answer']}</answer></response_2>")
+            texts += [f"<response_1><support>{all_hops}</support><answer>nobody</answer></response_1>"
+                      f"<response_2><answer>{gt['answer']}</answer></response_2>"] * group_size  # G chains a prompt
         ids = [module.tokenizer(t)["input_ids"] for t in texts]
         return Generation(ids, texts, sum(map(len, ids)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,8 +161,9 @@ def _solvable_records(count: int) -> list[dict]:
     raise AssertionError("not enough solvable records")
 
 
-def test_eval_metrics_with_a_scripted_engine(tmp_path, script_generation, tiny_model_dir):
-    """Each chain: answer 1 = the gold call (solves), answer 2 = well-tagged but wrong (zero vector), 3 missing."""
+def _gold_then_wrong(tmp_path: Path) -> tuple[list[dict], Path, Callable[[str, int], str]]:
+    """Two solvable test records written to a JSONL, and a script answering each prompt's chain with the gold call,
+    then a well-tagged wrong answer (the third answer missing)."""
     records = _solvable_records(2)
     data = tmp_path / "picked.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -169,6 +171,13 @@ def test_eval_metrics_with_a_scripted_engine(tmp_path, script_generation, tiny_m
     def answer(prompt: str, row: int) -> str:
         record = next(r for r in records if r["messages"][-1]["content"] in prompt)
         return f"<response_1>{_gold_answer(record)}</response_1>\n<response_2>no idea</response_2>"
+
+    return records, data, answer
+
+
+def test_eval_metrics_with_a_scripted_engine(tmp_path, script_generation, tiny_model_dir):
+    """Each chain: answer 1 = the gold call (solves), answer 2 = well-tagged but wrong (zero vector), 3 missing."""
+    records, data, answer = _gold_then_wrong(tmp_path)
 
     script_generation(answer)
     r = _run("--config", str(_config(tmp_path)), "--data_file", str(data), "--n", "6", "--max_prompts", "2",
@@ -245,13 +254,7 @@ def test_eval_prefills_each_prompt_once_per_record(script_generation):
 def test_from_samples_equals_a_smaller_evaluation(tmp_path, script_generation, tiny_model_dir, capsys):
     """`--from_samples` on a 6-solution evaluation at --n 3 gives the metrics a 3-solution evaluation of the same
     samples gives (the scripted engine answers the same whatever the budget), without sampling anything."""
-    records = _solvable_records(2)
-    data = tmp_path / "picked.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-    def answer(prompt: str, row: int) -> str:
-        record = next(r for r in records if r["messages"][-1]["content"] in prompt)
-        return f"<response_1>{_gold_answer(record)}</response_1>\n<response_2>no idea</response_2>"
+    records, data, answer = _gold_then_wrong(tmp_path)
 
     engine = script_generation(answer)
     common = ("--config", str(_config(tmp_path)), "--data_file", str(data), "--max_prompts", "2",

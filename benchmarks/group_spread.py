@@ -15,36 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from vpo_lightning.advantages import ESTIMATORS
 from vpo_lightning.dynamic_sampling import groups_with_signal
-
-
-def load(out: Path) -> tuple[dict, dict[str, list[list]]]:
-    """eval.json and, per prompt id, the chains' reward rows in sampling order (a row is None when unparsed)."""
-    report = json.loads((out / "eval.json").read_text(encoding="utf-8"))
-    pools: dict[str, list[list]] = defaultdict(list)
-    for line in (out / "samples.jsonl").read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        pools[rec["id"]].append(rec["rewards"])
-    return report, pools
+from vpo_lightning.evaluate import chain_tensors, read_samples
 
 
 def summarise(out: Path, group: int, estimator: str | None, seed: int = 0) -> dict:
-    report, pools = load(out)
-    chains = next(iter(pools.values()))
-    m = len(chains[0])
+    report = json.loads((out / "eval.json").read_text(encoding="utf-8"))
+    pools = read_samples(out)
+    m, dim = int(report["m"]), len(report["dim_names"])
     name = estimator or ("vpo" if m > 1 else "grpo")
-    dim = next(len(r) for c in (c for p in pools.values() for c in p) for r in c if r is not None)
     rows, present, chain_ok, signal, groups = [], 0, 0, 0, 0
     gen = torch.Generator().manual_seed(seed)
     for pool in pools.values():
-        rewards = torch.tensor([[r if r is not None else [0.0] * dim for r in c] for c in pool])  # [C, m, D]
-        mask = torch.tensor([[r is not None for r in c] for c in pool])  # [C, m]
+        rewards, mask = chain_tensors(pool, dim)  # [C, m, D], [C, m]
         rows.append(rewards.reshape(-1, dim))
         present += int(mask.sum())
         chain_ok += int(mask.all(dim=1).sum())

@@ -416,24 +416,37 @@ def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, A
     }
 
 
-def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer: Any) -> list[PromptPool]:
-    """The first ``chains`` chains of each prompt of an earlier evaluation (its ``samples.jsonl``, sampling order);
-    a chain's tokens are its text re-tokenised plus EOS (the file keeps no ids)."""
+def read_samples(src: Path) -> dict[Any, list[dict]]:
+    """An evaluation's ``samples.jsonl``: per prompt id, its chains' rows (``chain``, ``text``, ``rewards``) in
+    sampling order."""
     import json
 
-    from vpo_lightning.datamodule import read_jsonl
-
-    records = {r.get("id"): r for r in read_jsonl(report["data_file"])}
     rows: dict[Any, list[dict]] = {}
     for line in (src / "samples.jsonl").read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
         rows.setdefault(rec["id"], []).append(rec)
+    return {key: sorted(chains, key=lambda r: r["chain"]) for key, chains in rows.items()}
+
+
+def chain_tensors(chains: list[dict], dim: int) -> tuple[Tensor, Tensor]:
+    """``(rewards [C, m, D], mask [C, m])`` of sample rows; an unparsed candidate (None) is a zero row, absent."""
+    rewards = torch.tensor([[r if r is not None else [0.0] * dim for r in c["rewards"]] for c in chains])
+    mask = torch.tensor([[r is not None for r in c["rewards"]] for c in chains])
+    return rewards, mask
+
+
+def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer: Any) -> list[PromptPool]:
+    """The first ``chains`` chains of each prompt of an earlier evaluation (its ``samples.jsonl``, sampling order);
+    a chain's tokens are its text re-tokenised plus EOS (the file keeps no ids)."""
+    from vpo_lightning.datamodule import read_jsonl
+
+    records = {r.get("id"): r for r in read_jsonl(report["data_file"])}
+    rows = read_samples(src)
     dim = len(report["dim_names"])
     pools = []
     for prompt in report["prompts"]:
-        chain_rows = sorted(rows[prompt["id"]], key=lambda r: r["chain"])[:chains]
-        rewards = torch.tensor([[r if r is not None else [0.0] * dim for r in c["rewards"]] for c in chain_rows])
-        mask = torch.tensor([[r is not None for r in c["rewards"]] for c in chain_rows])
+        chain_rows = rows[prompt["id"]][:chains]
+        rewards, mask = chain_tensors(chain_rows, dim)
         texts = [c["text"] for c in chain_rows]
         tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
         pools.append(PromptPool(records[prompt["id"]], rewards, mask, texts, tokens, 0))
@@ -454,9 +467,9 @@ def run_from_samples(args: argparse.Namespace) -> Path:
     _check_args(args, m)
     if args.n > report["n"]:
         raise ValueError(f"--n {args.n} is more than the {report['n']} solutions per prompt of {src}")
+    t0 = time.perf_counter()
     pools = pools_from_samples(src, report, args.n // m, load_tokenizer(report["model"]))
     per_prompt = [prompt_metrics(p, report["seed"], args.orders, report.get("f_weights")) for p in pools]
-    t0 = time.perf_counter()
     report.update({
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "n": args.n,
         "chains_per_prompt": args.n // m, "best_at_k_orders": args.orders, "subsampled_from": str(src),

@@ -300,7 +300,9 @@ def test_sft_configs_parse(in_repo):
     from vpo_lightning.sft.data import SFTDataModule
     from vpo_lightning.sft.module import SFTModule
 
-    for name in ("tooluse_sft.yaml", "maze_sft.yaml"):
+    names = sorted(p.name for p in Path("configs").glob("*_sft.yaml"))  # every shipped SFT config
+    assert {"tooluse_sft.yaml", "maze_sft.yaml", "maze5_sft.yaml"} <= set(names)
+    for name in names:
         cli = make_cli(["--config", f"configs/{name}", "--trainer.accelerator=cpu"], run=False)
         assert isinstance(cli.model, SFTModule) and cli.model.policy is None
         assert isinstance(cli.datamodule, SFTDataModule) and cli.datamodule.formats == [1, 3]

@@ -89,14 +89,19 @@ class _Clock:
         self.ends: list[float] = []
         self.gen_time: list[float] = []
         self.gen_tokens: list[int] = []
+        self.gen_longest: list[int] = []  # the longest completion of each call: the decode steps it had to run
         self.prompt_tokens: list[int] = []
 
-    def timed_generate(self, fn, count_tokens):
+    def timed_generate(self, fn, lengths):
+        """Wrap ``fn`` (a generate call) to record its time, its generated tokens and its longest completion;
+        ``lengths(out)`` gives the completion lengths of its output."""
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self.gen_time.append(time.perf_counter() - t0)
-            self.gen_tokens.append(count_tokens(out))
+            n = lengths(out)
+            self.gen_tokens.append(sum(n))
+            self.gen_longest.append(max(n, default=0))
             return out
 
         return wrapper
@@ -108,7 +113,7 @@ class _Clock:
         steps = [b - a for a, b in zip(bounds, bounds[1:])]
         return {
             "step_s": steps, "gen_s": self.gen_time, "gen_tokens": self.gen_tokens,
-            "prompt_tokens": self.prompt_tokens, "setup_s": setup_s,
+            "gen_longest": self.gen_longest, "prompt_tokens": self.prompt_tokens, "setup_s": setup_s,
             "rss_after_setup_bytes": baseline_rss, "torch_threads": torch.get_num_threads(),
             "versions": _versions(), "dtype": spec["dtype"],
         }
@@ -159,7 +164,7 @@ def run_ours(spec: dict) -> dict:
             clock.prompt_tokens.append(int(batch["rollout"].attention_mask[:, : batch["rollout"].prompt_length].sum()))
 
     engine = TransformersEngine()
-    engine.generate = clock.timed_generate(engine.generate, lambda gen: gen.num_tokens)
+    engine.generate = clock.timed_generate(engine.generate, lambda gen: [len(c) for c in gen.completion_ids])
     rollout = RolloutCallback(rewards=REWARDS, estimator="grpo", num_candidates=1, group_size=G, seed=spec["seed"],
                               sampling=SamplingSettings(max_new_tokens=spec["max_new_tokens"]), engine=engine,
                               log_samples_every=0)
@@ -229,7 +234,7 @@ def run_trl(spec: dict) -> dict:
         clock.prompt_tokens.append(sum(len(p) for p in prompt_ids))
         return turn(prompt_ids, *args, **kwargs)
 
-    trainer._generate_single_turn = clock.timed_generate(generate, lambda out: sum(len(c) for c in out[0]))
+    trainer._generate_single_turn = clock.timed_generate(generate, lambda out: [len(c) for c in out[0]])
     trainer.train()
     return clock.report(spec, baseline, setup_s)
 

@@ -126,3 +126,72 @@ def test_shared_prefix_generation_equals_plain_generation():
     plain = TransformersEngine(share_prompt_prefix=False).generate(module, prompts, 3, greedy)
     assert shared.completion_ids == plain.completion_ids
     assert len(shared.completion_ids) == 6 and all(shared.completion_ids)
+
+
+def test_preallocated_kv_layer_returns_what_concatenation_returns():
+    """Each update returns exactly the concatenated keys/values (as views of one buffer), also past capacity."""
+    from transformers.cache_utils import DynamicLayer
+
+    from vpo_lightning.engines import preallocated_layer_class
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)) for n in (5, 1, 1, 3)]
+    ref, pre = DynamicLayer(), preallocated_layer_class()(capacity=7)  # 5 + 1 + 1 fit, the last 3 make it grow
+    for k, v in chunks:
+        rk, rv = ref.update(k, v)
+        pk, pv = pre.update(k, v)
+        assert torch.equal(rk, pk) and torch.equal(rv, pv)
+        assert pre.get_seq_length() == ref.get_seq_length()
+    assert pre.capacity >= 10 and pre._k.data_ptr() == pk.data_ptr()  # the returned keys are a view of the buffer
+    pre.crop(-2)
+    ref.crop(-2)
+    assert torch.equal(ref.keys, pre.keys) and pre.get_seq_length() == 8
+    idx = torch.tensor([1])
+    pre.batch_select_indices(idx)
+    ref.batch_select_indices(idx)
+    assert torch.equal(ref.values, pre.values)
+    pre.reset()
+    assert pre.get_seq_length() == 0
+
+
+def test_preallocated_kv_layer_from_a_filled_layer_repeats_rows_like_batch_repeat_interleave():
+    from transformers.cache_utils import DynamicLayer
+
+    from vpo_lightning.engines import preallocated_layer_class
+
+    k, v = torch.arange(24.0).reshape(2, 1, 3, 4), -torch.arange(24.0).reshape(2, 1, 3, 4)
+    ref = DynamicLayer()
+    ref.update(k, v)
+    pre = preallocated_layer_class().from_layer(ref, repeats=3, capacity=10)
+    ref.batch_repeat_interleave(3)
+    assert torch.equal(pre.keys, ref.keys) and torch.equal(pre.values, ref.values)
+    assert pre.keys.shape == (6, 1, 3, 4) and pre.capacity == 10
+    new = torch.ones(6, 1, 1, 4)
+    assert torch.equal(pre.update(new, new)[0], ref.update(new, new)[0])
+
+
+def test_preallocated_cache_generation_equals_concatenating_cache():
+    """The engine's preallocated KV cache gives the same tokens as transformers' growing cache (top_k = 1)."""
+    from vpo_lightning.engines import TransformersEngine, preallocated_layer_class
+    from vpo_lightning.module import VPOModule
+
+    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
+    module.configure_model()
+    tok = module.tokenizer
+    prompts = [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
+    greedy = SamplingSettings(top_k=1, max_new_tokens=12)
+    engine = TransformersEngine(preallocate_cache=True)
+    seen = []
+    prefill = engine._prefill_once
+
+    def recording_prefill(*args, **kwargs):
+        name, cache = prefill(*args, **kwargs)
+        seen.append({type(layer) for layer in cache.layers})
+        return name, cache
+
+    engine._prefill_once = recording_prefill
+    pre = engine.generate(module, prompts, 3, greedy)
+    grown = TransformersEngine(preallocate_cache=False).generate(module, prompts, 3, greedy)
+    assert seen == [{preallocated_layer_class()}]
+    assert pre.completion_ids == grown.completion_ids
+    assert len(pre.completion_ids) == 6 and all(pre.completion_ids)

@@ -1,0 +1,116 @@
+"""Rollout engine variants side by side in one process (issue 25): tokens/s of each, as a ratio to the first.
+
+The policy is built as `vpo fit` builds it (``VPOModule``: the embedded SmolLM2-135M-Instruct, LoRA r=16 on all
+linear layers), the prompts are the first B tool-use prompts of ``data/tooluse/train.jsonl`` under the chat template
+(as ``benchmarks/vs_trl.py`` selects them), and every variant generates G chains per prompt with the same sampling
+settings and the same seed, so each does the same work; the variants run interleaved (A, B, A, B, ...) so that a
+busy machine slows all alike, and the script checks that every variant produced the same tokens as the first (the
+variants here run the same model code; ``no-share`` computes the prefill in a different batch shape, so its
+floating-point rounding, and then its sampled tokens, may differ).
+
+Variants (``--variants``, comma-separated; the first is the reference of the ratios):
+    concat       ``TransformersEngine(preallocate_cache=False)``: transformers' growing KV cache (torch.cat per step)
+    prealloc     ``TransformersEngine()``: the KV cache in buffers allocated once (the default engine)
+    no-share     ``TransformersEngine(share_prompt_prefix=False)``: each chain prefills its own copy of the prompt
+
+    .venv/bin/python benchmarks/bench_rollout.py                               # B=2, G=8, 128 new tokens, 2 rounds
+    .venv/bin/python benchmarks/bench_rollout.py --variants concat,prealloc --rounds 3 --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+VARIANTS = {
+    "concat": {"preallocate_cache": False},
+    "prealloc": {},
+    "no-share": {"share_prompt_prefix": False},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="concat,prealloc", help=f"comma-separated, from {sorted(VARIANTS)}")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompts-per-step", type=int, default=2, help="B")
+    p.add_argument("--group-size", type=int, default=8, help="G")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=400)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write the raw timings as JSON here")
+    args = p.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+
+    from roofline import cpu_description
+    from vs_trl import select_prompts
+
+    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
+    from vpo_lightning.module import VPOModule
+
+    records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
+                             args.max_prompt_tokens, args.model)
+    module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,
+                                           lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
+    module.configure_model()
+    prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
+    sampling = SamplingSettings(max_new_tokens=args.max_new_tokens)
+    dtype = str(next(module.policy.parameters()).dtype).removeprefix("torch.")
+    cpu = cpu_description()
+    print(f"[bench_rollout] {cpu['model']} ({', '.join(cpu['flags'])}), {torch.get_num_threads()} threads, {dtype}, "
+          f"B={len(prompts)} G={args.group_size} max_new_tokens={args.max_new_tokens}, prompt tokens "
+          f"{[len(x) for x in prompts]}", file=sys.stderr, flush=True)
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[int]] = {n: [] for n in names}
+    reference, same = None, {}
+    for rnd in range(args.rounds):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            engine = TransformersEngine(**VARIANTS[name])
+            torch.manual_seed(args.seed)
+            t0 = time.perf_counter()
+            gen = engine.generate(module, prompts, args.group_size, sampling)
+            times[name].append(time.perf_counter() - t0)
+            tokens[name].append(gen.num_tokens)
+            if reference is None:
+                reference = gen.completion_ids
+            same[name] = same.get(name, True) and gen.completion_ids == reference
+            print(f"[bench_rollout] round {rnd + 1}: {name} {times[name][-1]:.2f} s, {gen.num_tokens} tokens",
+                  file=sys.stderr, flush=True)
+
+    base = statistics.median(times[names[0]])
+    print(f"\n| variant | median generate (s) | tokens/s | ratio to {names[0]} | same tokens as {names[0]} |\n"
+          "|---|---|---|---|---|")
+    for name in names:
+        med = statistics.median(times[name])
+        rate = statistics.median(n / t for n, t in zip(tokens[name], times[name]))
+        print(f"| {name} | {med:.2f} | {rate:.1f} | {base / med:.2f}x | {'yes' if same[name] else 'NO'} |")
+    print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "machine": {**cpu, "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                        "loadavg_1m_at_end": os.getloadavg()[0]},
+            "settings": {k: str(v) for k, v in vars(args).items()}, "dtype": dtype, "times_s": times,
+            "tokens": tokens, "same_tokens_as_first": same}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -103,8 +103,11 @@ class Check:
         full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         t = time.monotonic()
+        # SIGINT back to its default in the child: a shell starts background jobs with SIGINT ignored, and an
+        # ignored SIGINT would be inherited and make the time box's interrupt a no-op until the SIGKILL
         proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             text, _ = proc.communicate(timeout=max(timeout, 1))
             rc = proc.returncode

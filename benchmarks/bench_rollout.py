@@ -6,12 +6,16 @@ linear layers), the prompts are the first B tool-use prompts of ``data/tooluse/t
 settings and the same seed, so each does the same work; the variants run interleaved (A, B, A, B, ...) so that a
 busy machine slows all alike, and the script checks that every variant produced the same tokens as the first (the
 variants here run the same model code; ``no-share`` computes the prefill in a different batch shape, so its
-floating-point rounding, and then its sampled tokens, may differ).
+floating-point rounding, and then its sampled tokens, may differ; so may ``merged``'s).
 
 Variants (``--variants``, comma-separated; the first is the reference of the ratios):
     concat       ``TransformersEngine(preallocate_cache=False)``: transformers' growing KV cache (torch.cat per step)
     prealloc     ``TransformersEngine()``: the KV cache in buffers allocated once (the default engine)
     no-share     ``TransformersEngine(share_prompt_prefix=False)``: each chain prefills its own copy of the prompt
+    merged       ``prealloc`` with the LoRA adapter merged into the base weights for the call (PEFT
+                 ``merge_adapter`` before, ``unmerge_adapter`` after, both inside the timing): no separate LoRA
+                 matmuls per layer, at the price of a merge per step and rounding (tokens may differ; and the
+                 unmerge leaves the base weights off by rounding, so this is a measurement, not an engine option)
 
     .venv/bin/python benchmarks/bench_rollout.py                               # B=2, G=8, 128 new tokens, 2 rounds
     .venv/bin/python benchmarks/bench_rollout.py --variants concat,prealloc --rounds 3 --dtype fp32
@@ -37,6 +41,7 @@ VARIANTS = {
     "concat": {"preallocate_cache": False},
     "prealloc": {},
     "no-share": {"share_prompt_prefix": False},
+    "merged": {},
 }
 
 
@@ -86,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             engine = TransformersEngine(**VARIANTS[name])
             torch.manual_seed(args.seed)
             t0 = time.perf_counter()
-            gen = engine.generate(module, prompts, args.group_size, sampling)
+            if name == "merged":
+                module.policy.merge_adapter()
+            try:
+                gen = engine.generate(module, prompts, args.group_size, sampling)
+            finally:
+                if name == "merged":
+                    module.policy.unmerge_adapter()
             times[name].append(time.perf_counter() - t0)
             tokens[name].append(gen.num_tokens)
             if reference is None:

@@ -112,15 +112,21 @@ def test_vllm_engine_generates_on_gpu():
     assert all(math.isfinite(v) and v <= 0.0 for lp in gen.engine_logprobs for v in lp)
 
 
-def test_shared_prefix_generation_equals_plain_generation():
-    """Prefilling each prompt once and copying its KV cache to the G chains gives the same tokens (top_k = 1)."""
-    from vpo_lightning.engines import TransformersEngine
+def _tiny_module_and_prompts():
+    """The random tiny model with a LoRA adapter, and two prompts of different lengths."""
     from vpo_lightning.module import VPOModule
 
     module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
     module.configure_model()
     tok = module.tokenizer
-    prompts = [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
+    return module, [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
+
+
+def test_shared_prefix_generation_equals_plain_generation():
+    """Prefilling each prompt once and copying its KV cache to the G chains gives the same tokens (top_k = 1)."""
+    from vpo_lightning.engines import TransformersEngine
+
+    module, prompts = _tiny_module_and_prompts()
     greedy = SamplingSettings(top_k=1, max_new_tokens=6)
     shared = TransformersEngine(share_prompt_prefix=True).generate(module, prompts, 3, greedy)
     plain = TransformersEngine(share_prompt_prefix=False).generate(module, prompts, 3, greedy)
@@ -173,12 +179,8 @@ def test_preallocated_kv_layer_from_a_filled_layer_repeats_rows_like_batch_repea
 def test_preallocated_cache_generation_equals_concatenating_cache():
     """The engine's preallocated KV cache gives the same tokens as transformers' growing cache (top_k = 1)."""
     from vpo_lightning.engines import TransformersEngine, preallocated_layer_class
-    from vpo_lightning.module import VPOModule
 
-    module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
-    module.configure_model()
-    tok = module.tokenizer
-    prompts = [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
+    module, prompts = _tiny_module_and_prompts()
     greedy = SamplingSettings(top_k=1, max_new_tokens=12)
     engine = TransformersEngine(preallocate_cache=True)
     seen = []

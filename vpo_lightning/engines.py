@@ -143,7 +143,7 @@ def preallocated_layer_class() -> type:
             self.device = key_states.device
             self._k = key_states.new_empty(rows, heads, self.capacity, dim)  # [rows, kv_heads, capacity, head_dim]
             self._v = value_states.new_empty(rows, value_states.shape[1], self.capacity, value_states.shape[-1])
-            self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+            self._views()
             self.is_initialized = True
 
         def _grow(self, needed: int) -> None:
@@ -164,8 +164,12 @@ def preallocated_layer_class() -> type:
             self._k[:, :, self.length : end] = key_states
             self._v[:, :, self.length : end] = value_states
             self.length = end
-            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]  # views: no copy
+            self._views()
             return self.keys, self.values
+
+        def _views(self) -> None:
+            """``keys`` / ``values``: views of the buffers' filled part (no copy)."""
+            self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
         def get_seq_length(self) -> int:
             return self.length if self.is_initialized else 0
@@ -180,17 +184,17 @@ def preallocated_layer_class() -> type:
                 raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
             if tokens_to_remove and self.is_initialized:
                 self.length = max(0, self.length + tokens_to_remove)
-                self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+                self._views()
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self.get_seq_length() > 0:
                 self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
-                self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+                self._views()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.get_seq_length() > 0:
                 self._k, self._v = self._k[indices, ...], self._v[indices, ...]
-                self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+                self._views()
 
     return PreallocatedKVLayer
 

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
     from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
     from vpo_lightning.module import VPOModule
+    from vpo_lightning.runtime import tune_malloc
 
+    tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
     records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
                              args.max_prompt_tokens, args.model)
     module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,

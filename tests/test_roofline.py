@@ -69,3 +69,9 @@ def test_fractions_from_a_recorded_run():
 def test_bounds_are_positive_on_this_machine():
     assert roofline.measure_bandwidth(mib=8, repeats=1) > 0
     assert roofline.measure_matmul(roofline.torch.float32, n=64, repeats=1) > 0
+
+
+@pytest.mark.parametrize(("flags", "native"), [(["avx2"], False), (["avx2", "avx512f"], False),
+                                               (["avx2", "avx512f", "avx512_bf16"], True), (["amx_bf16"], True)])
+def test_native_bf16_only_with_avx512_bf16_or_amx(flags, native):
+    assert roofline.native_bf16({"model": "x", "flags": flags, "cpus": 2}) is native

@@ -278,16 +278,11 @@ def step_plans(c: Check) -> dict[str, Path]:
 
 
 def tb_scalars(run_dir: Path) -> dict[str, list[float]]:
-    """Every scalar series the run logged to TensorBoard, by tag, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar series the run logged to TensorBoard (event files anywhere under it), by tag, in step order."""
+    from vpo_lightning.runs import read_scalars
 
-    series: dict[str, list[tuple[int, float]]] = {}
-    for f in sorted(run_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return {tag: [v for _, v in sorted(vals)] for tag, vals in series.items()}
+    return {tag: [v for _, v in sorted(series.items())]
+            for tag, series in read_scalars(run_dir, recursive=True).items()}
 
 
 def fit_numbers(run_dir: Path) -> dict[str, Any]:

@@ -20,20 +20,12 @@ DEFAULT_TAGS = ("reward/", "parse_rate", "frac_zero_std_groups", "dynamic/frac_d
 
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar of the run's event files, as {tag: {step: value}} (later files and events win)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from vpo_lightning.runs import event_files
+    from vpo_lightning.runs import read_scalars as read
 
-    files = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime)
-    if not files:
+    if not event_files(run_dir):
         raise SystemExit(f"{run_dir}: no TensorBoard event files (events.out.tfevents.*); is it a `vpo fit` run dir?")
-    out: dict[str, dict[int, float]] = {}
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            series = out.setdefault(tag, {})
-            for event in acc.Scalars(tag):
-                series[event.step] = event.value
-    return out
+    return read(run_dir)
 
 
 def summarise(scalars: dict[str, dict[int, float]], tags: tuple[str, ...], first: int,

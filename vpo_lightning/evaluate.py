@@ -27,7 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vpo_lightning.runs import add_run_args, find_config, known, load_config, load_model, pick_device
+from vpo_lightning.runs import (
+    add_run_args,
+    event_files,
+    find_config,
+    known,
+    load_config,
+    load_model,
+    pick_device,
+    read_scalars,
+)
 from vpo_lightning.tools import run_command
 
 log = logging.getLogger(__name__)
@@ -286,19 +295,12 @@ def training_tokens(weights: str | None, global_step: int | None) -> dict[str, A
     if not weights:
         return None
     path = Path(weights)
-    runs = [d for d in (path.parent, path.parent.parent) if list(d.glob("events.out.tfevents.*"))]
+    runs = [d for d in (path.parent, path.parent.parent) if event_files(d)]
     if not runs:
         return None
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     if global_step is None and path.name.startswith("step="):
         global_step = int(path.name.split("=", 1)[1].split(".")[0])
-    per_step: dict[int, float] = {}
-    for f in sorted(runs[0].glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        if "train/rollout/tokens" in acc.Tags()["scalars"]:
-            per_step.update({e.step: e.value for e in acc.Scalars("train/rollout/tokens")})
+    per_step = read_scalars(runs[0]).get("train/rollout/tokens", {})
     kept = {s: v for s, v in per_step.items() if global_step is None or s < global_step}
     return {"log_dir": str(runs[0]), "optimizer_steps": global_step if global_step is not None else len(kept),
             "logged_steps": len(kept), "generated_tokens": int(sum(kept.values()))}

@@ -1,9 +1,10 @@
 """Run plumbing shared by ``vpo eval``, ``vpo search``, ``vpo serve`` and ``vpo plan``.
 
-One place for: the ``--config/--ckpt/--adapter/--set`` argument group; finding and loading a `vpo fit` config (with
-OmegaConf interpolation, as ``vpo fit`` parses it: ``parser_mode="omegaconf"``); the settings dataclasses built
-from it (:class:`RunSettings`, every default taken from the code, never re-typed); and loading the model those
-settings describe: the base model, base + a PEFT adapter, or base + the LoRA weights of a `vpo fit` checkpoint.
+One place for: a run's TensorBoard scalars (:func:`read_scalars`, also used by benchmarks/); the
+``--config/--ckpt/--adapter/--set`` argument group; finding and loading a `vpo fit` config (with OmegaConf
+interpolation, as ``vpo fit`` parses it: ``parser_mode="omegaconf"``); the settings dataclasses built from it
+(:class:`RunSettings`, every default taken from the code, never re-typed); and loading the model those settings
+describe: the base model, base + a PEFT adapter, or base + the LoRA weights of a `vpo fit` checkpoint.
 """
 
 from __future__ import annotations
@@ -161,6 +162,26 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def event_files(run_dir: Path, *, recursive: bool = False) -> list[Path]:
+    """The run's TensorBoard event files (``events.out.tfevents.*``), oldest first (by mtime, then name)."""
+    found = run_dir.rglob("events.out.tfevents.*") if recursive else run_dir.glob("events.out.tfevents.*")
+    return sorted(found, key=lambda f: (f.stat().st_mtime, f.name))
+
+
+def read_scalars(run_dir: Path, *, recursive: bool = False) -> dict[str, dict[int, float]]:
+    """Every scalar of a run's event files as ``{tag: {step: value}}``; where a step was logged twice (a resumed
+    run), the later file's value wins. Empty when there are no event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for f in event_files(run_dir, recursive=recursive):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            out.setdefault(tag, {}).update((e.step, e.value) for e in acc.Scalars(tag))
+    return out
 
 
 def adapter_weights_file(adapter: Path) -> Path:

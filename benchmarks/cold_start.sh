@@ -18,7 +18,8 @@
 #
 # Knobs (defaults in brackets): SFT_CONFIG [configs/tooluse_sft.yaml], CHAIN_CONFIG [configs/tooluse.yaml],
 # SINGLE_CONFIG [configs/tooluse_grpo.yaml], ADAPTER [checkpoints/<SFT run_name>/adapters/last], PREFIX [tooluse],
-# N [12], PROMPTS [50], GROUP [8], RL_STEPS [20], PARTS ["sft eval spread rl"], REUSE_EVAL [1: keep an evaluation
+# N [12], PROMPTS [50], GROUP [8], RL_STEPS [20], PARTS ["sft eval spread rl"], WHO ["base sft": the evaluated
+# policies; WHO=base evaluates the base model while the sft part runs beside it], REUSE_EVAL [1: keep an evaluation
 # whose eval.json exists], EXTRA_SFT, EXTRA_EVAL, EXTRA_FIT [more arguments for every `vpo sft` / `vpo eval` /
 # `vpo fit`], PY [.venv/bin/python if present].
 set -euo pipefail
@@ -33,6 +34,7 @@ PROMPTS=${PROMPTS:-50}
 GROUP=${GROUP:-8}
 RL_STEPS=${RL_STEPS:-20}
 PARTS=${PARTS:-sft eval spread rl}
+WHO=${WHO:-base sft}
 REUSE_EVAL=${REUSE_EVAL:-1}
 read -r -a SFT_EXTRA <<< "${EXTRA_SFT:-}"
 read -r -a EVAL_EXTRA <<< "${EXTRA_EVAL:-}"
@@ -54,8 +56,8 @@ timed() {  # $1 = phase, $2 = name, then the command: runs it under /usr/bin/tim
   local phase=$1 name=$2 t0=$SECONDS rss
   shift 2
   if [[ -x /usr/bin/time ]]; then
-    /usr/bin/time -f '%M' -o "$OUT/.rss" "$@"
-    rss=$(tail -1 "$OUT/.rss")
+    /usr/bin/time -f '%M' -o "$OUT/.rss-$phase-$name" "$@"
+    rss=$(tail -1 "$OUT/.rss-$phase-$name")
   else
     "$@"
     rss=unknown
@@ -73,8 +75,10 @@ if has_part sft; then
 fi
 
 if has_part eval; then
-  [[ -f "$ADAPTER/adapter_config.json" ]] || { echo "$ADAPTER: no adapter; run the sft part first" >&2; exit 2; }
-  for who in base sft; do
+  if [[ " $WHO " == *" sft "* && ! -f "$ADAPTER/adapter_config.json" ]]; then
+    echo "$ADAPTER: no adapter; run the sft part first (or WHO=base)" >&2; exit 2
+  fi
+  for who in $WHO; do
     for fmt in single chains; do
       dir="$OUT/$who-$fmt"
       if [[ "$REUSE_EVAL" == 1 && -f "$dir/eval.json" ]]; then echo "=== reuse $dir"; continue; fi

@@ -3,7 +3,8 @@
 #
 #   1. sft:    `vpo sft --config SFT_CONFIG` (skipped when its adapter exists), wall time and peak RSS logged;
 #   2. eval:   the base model and the SFT adapter, each as single answers (SINGLE_CONFIG) and as m-answer chains
-#              (CHAIN_CONFIG), with `vpo eval` on PROMPTS validation prompts x N solutions;
+#              (CHAIN_CONFIG), with `vpo eval` on PROMPTS validation prompts x N single answers / N_CHAINS chain
+#              answers (24 = 8 chains of m = 3: one G = 8 group per prompt for the spread; 12 would be 4 chains);
 #   3. spread: benchmarks/group_spread.py on those four evaluations: parse rate, each reward dimension, the fraction
 #              of G-groups with reward spread (whether RL would get a gradient);
 #   4. rl:     `vpo fit --config CHAIN_CONFIG` from the adapter for RL_STEPS steps, then benchmarks/run_summary.py on
@@ -18,10 +19,10 @@
 #
 # Knobs (defaults in brackets): SFT_CONFIG [configs/tooluse_sft.yaml], CHAIN_CONFIG [configs/tooluse.yaml],
 # SINGLE_CONFIG [configs/tooluse_grpo.yaml], ADAPTER [checkpoints/<SFT run_name>/adapters/last], PREFIX [tooluse],
-# N [12], PROMPTS [50], GROUP [8], RL_STEPS [20], PARTS ["sft eval spread rl"], WHO ["base sft": the evaluated
-# policies; WHO=base evaluates the base model while the sft part runs beside it], REUSE_EVAL [1: keep an evaluation
-# whose eval.json exists], EXTRA_SFT, EXTRA_EVAL, EXTRA_FIT [more arguments for every `vpo sft` / `vpo eval` /
-# `vpo fit`], PY [.venv/bin/python if present].
+# N [12], N_CHAINS [24], PROMPTS [50], GROUP [8], RL_STEPS [20], PARTS ["sft eval spread rl"], WHO ["base sft": the
+# evaluated policies; WHO=base evaluates the base model while the sft part runs beside it], FORMATS ["single
+# chains"], REUSE_EVAL [1: keep an evaluation whose eval.json exists], EXTRA_SFT, EXTRA_EVAL, EXTRA_FIT [more
+# arguments for every `vpo sft` / `vpo eval` / `vpo fit`], PY [.venv/bin/python if present].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,11 +31,13 @@ CHAIN_CONFIG=${CHAIN_CONFIG:-configs/tooluse.yaml}
 SINGLE_CONFIG=${SINGLE_CONFIG:-configs/tooluse_grpo.yaml}
 PREFIX=${PREFIX:-tooluse}
 N=${N:-12}
+N_CHAINS=${N_CHAINS:-24}
 PROMPTS=${PROMPTS:-50}
 GROUP=${GROUP:-8}
 RL_STEPS=${RL_STEPS:-20}
 PARTS=${PARTS:-sft eval spread rl}
 WHO=${WHO:-base sft}
+FORMATS=${FORMATS:-single chains}
 REUSE_EVAL=${REUSE_EVAL:-1}
 read -r -a SFT_EXTRA <<< "${EXTRA_SFT:-}"
 read -r -a EVAL_EXTRA <<< "${EXTRA_EVAL:-}"
@@ -79,14 +82,15 @@ if has_part eval; then
     echo "$ADAPTER: no adapter; run the sft part first (or WHO=base)" >&2; exit 2
   fi
   for who in $WHO; do
-    for fmt in single chains; do
+    for fmt in $FORMATS; do
       dir="$OUT/$who-$fmt"
       if [[ "$REUSE_EVAL" == 1 && -f "$dir/eval.json" ]]; then echo "=== reuse $dir"; continue; fi
       config=$([[ $fmt == single ]] && echo "$SINGLE_CONFIG" || echo "$CHAIN_CONFIG")
+      n=$([[ $fmt == single ]] && echo "$N" || echo "$N_CHAINS")
       weights=()
       [[ $who == sft ]] && weights=(--set "model.model.adapter=$ADAPTER")
-      echo "=== eval $who $fmt: $config, $PROMPTS validation prompts x $N -> $dir"
-      timed eval "$who-$fmt" "$PY" -m vpo_lightning.cli eval --config "$config" --split val --n "$N" \
+      echo "=== eval $who $fmt: $config, $PROMPTS validation prompts x $n answers -> $dir"
+      timed eval "$who-$fmt" "$PY" -m vpo_lightning.cli eval --config "$config" --split val --n "$n" \
         --max_prompts "$PROMPTS" --label "$who $fmt" --out "$dir" "${weights[@]}" "${EVAL_EXTRA[@]}"
     done
   done

@@ -16,6 +16,8 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  ``merge_adapter`` before, ``unmerge_adapter`` after, both inside the timing): no separate LoRA
                  matmuls per layer, at the price of a merge per step and rounding (tokens may differ; and the
                  unmerge leaves the base weights off by rounding, so this is a measurement, not an engine option)
+    full-head    ``prealloc`` as it was before the prefill passed ``logits_to_keep=1``: the LM head over every
+                 prompt position of the prefill (logits nobody reads; same tokens)
 
     .venv/bin/python benchmarks/bench_rollout.py                               # B=2, G=8, 128 new tokens, 2 rounds
     .venv/bin/python benchmarks/bench_rollout.py --variants concat,prealloc --rounds 3 --dtype fp32
@@ -42,6 +44,7 @@ VARIANTS = {
     "prealloc": {},
     "no-share": {"share_prompt_prefix": False},
     "merged": {},
+    "full-head": {},
 }
 
 
@@ -66,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import cpu_description
     from vs_trl import select_prompts
 
+    from vpo_lightning import engines
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
     from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
     from vpo_lightning.module import VPOModule
     from vpo_lightning.runtime import tune_malloc
 
+    keeps_logits = engines.accepts_logits_to_keep
     tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
     records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
                              args.max_prompt_tokens, args.model)
@@ -95,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             if name == "merged":
                 module.policy.merge_adapter()
+            engines.accepts_logits_to_keep = (lambda model: False) if name == "full-head" else keeps_logits
             try:
                 gen = engine.generate(module, prompts, args.group_size, sampling)
             finally:
+                engines.accepts_logits_to_keep = keeps_logits
                 if name == "merged":
                     module.policy.unmerge_adapter()
             times[name].append(time.perf_counter() - t0)

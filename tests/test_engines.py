@@ -197,3 +197,21 @@ def test_preallocated_cache_generation_equals_concatenating_cache():
     assert seen == [{preallocated_layer_class()}]
     assert pre.completion_ids == grown.completion_ids
     assert len(pre.completion_ids) == 6 and all(pre.completion_ids)
+
+
+def test_prefill_runs_the_lm_head_on_one_position_only():
+    """The shared prefill only needs the KV cache: the LM head sees one position per prompt, not all of them,
+    and the tokens are those of the plain (no shared prefill) path (test above)."""
+    from vpo_lightning.engines import TransformersEngine, accepts_logits_to_keep
+
+    module, prompts = _tiny_module_and_prompts()
+    assert accepts_logits_to_keep(module.policy)
+    head = module.policy.get_base_model().get_output_embeddings()
+    widths = []
+    handle = head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    try:
+        TransformersEngine(share_prompt_prefix=True).generate(module, prompts, 3, SamplingSettings(max_new_tokens=2))
+    finally:
+        handle.remove()
+    assert widths[0] == 1  # the prefill of prompts padded to len(prompts[1]) - 1 > 1 positions
+    assert len(prompts[1]) - 1 > 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 import shutil
 import tempfile
@@ -107,6 +108,12 @@ def eos_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the (PEFT-wrapped) causal LM's forward takes ``logits_to_keep`` (transformers' decoder LMs do)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 @functools.cache
@@ -233,8 +240,11 @@ class TransformersEngine(Engine):
         """Run the prompts (all but the last token) once and copy the KV cache to the G chains of each group:
         a group shares its prompt, so the prompt's prefill is not repeated G times."""
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)  # [b, P] as generate() derives them
+        # only the KV cache is used: the LM head runs on one position instead of all P - 1 (a [b * P, vocab]
+        # product, ~10% of a short rollout's time on CPU when it ran on every position)
+        extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-                    use_cache=True)
+                    use_cache=True, **extra)
         # transformers >= 5.2x names the KV cache `cache` (`past_key_values` still works, with a warning)
         name = "cache" if "cache" in getattr(out, "__dataclass_fields__", {}) else "past_key_values"
         cache = getattr(out, name)

@@ -141,15 +141,25 @@ def preallocated_layer_class() -> type:
             """A preallocated copy of a filled ``DynamicLayer``, its rows repeated ``repeats`` times (interleaved,
             as ``batch_repeat_interleave``) and room for ``capacity`` positions."""
             new = cls(capacity)
-            if layer.is_initialized and layer.get_seq_length() > 0:  # keys, values: [b, kv_heads, n, head_dim]
-                new.update(layer.keys.repeat_interleave(repeats, 0), layer.values.repeat_interleave(repeats, 0))
+            if layer.is_initialized and layer.get_seq_length() > 0:
+                k, v = layer.keys, layer.values  # [b, kv_heads, n, head_dim]
+                b, n = k.shape[0], k.shape[-2]
+                new.capacity = max(capacity, n)
+                new.lazy_initialization(k, v, rows=b * repeats)
+                # written straight into the buffer (no repeat_interleave copy first): row b * repeats + r = row b
+                for buf, src in ((new._k, k), (new._v, v)):
+                    buf[:, :, :n].unflatten(0, (b, repeats)).copy_(src.unsqueeze(1).expand(b, repeats, *src.shape[1:]))
+                new.length = n
+                new._views()
             return new
 
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            rows, heads, _, dim = key_states.shape
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                                rows: int | None = None) -> None:
+            rows = key_states.shape[0] if rows is None else rows
             self.device = key_states.device
-            self._k = key_states.new_empty(rows, heads, self.capacity, dim)  # [rows, kv_heads, capacity, head_dim]
-            self._v = value_states.new_empty(rows, value_states.shape[1], self.capacity, value_states.shape[-1])
+            k, v = key_states, value_states
+            self._k = k.new_empty(rows, k.shape[1], self.capacity, k.shape[-1])  # [rows, kv_heads, capacity, head_dim]
+            self._v = v.new_empty(rows, v.shape[1], self.capacity, v.shape[-1])
             self._views()
             self.is_initialized = True
 

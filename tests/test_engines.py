@@ -205,6 +205,7 @@ def test_prefill_runs_the_lm_head_on_one_position_only():
     from vpo_lightning.engines import TransformersEngine, accepts_logits_to_keep
 
     module, prompts = _tiny_module_and_prompts()
+    assert len(prompts[1]) - 1 > 1  # the prefill covers more than one position
     assert accepts_logits_to_keep(module.policy)
     head = module.policy.get_base_model().get_output_embeddings()
     widths = []
@@ -213,5 +214,4 @@ def test_prefill_runs_the_lm_head_on_one_position_only():
         TransformersEngine(share_prompt_prefix=True).generate(module, prompts, 3, SamplingSettings(max_new_tokens=2))
     finally:
         handle.remove()
-    assert widths[0] == 1  # the prefill of prompts padded to len(prompts[1]) - 1 > 1 positions
-    assert len(prompts[1]) - 1 > 1
+    assert widths[0] == 1  # the first head call is the prefill's

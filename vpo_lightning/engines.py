@@ -155,11 +155,12 @@ def preallocated_layer_class() -> type:
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
                                 rows: int | None = None) -> None:
+            """Allocate the buffers: ``rows`` rows (default: as many as ``key_states``), ``capacity`` positions."""
+            _, heads, _, dim = key_states.shape
             rows = key_states.shape[0] if rows is None else rows
             self.device = key_states.device
-            k, v = key_states, value_states
-            self._k = k.new_empty(rows, k.shape[1], self.capacity, k.shape[-1])  # [rows, kv_heads, capacity, head_dim]
-            self._v = v.new_empty(rows, v.shape[1], self.capacity, v.shape[-1])
+            self._k = key_states.new_empty(rows, heads, self.capacity, dim)  # [rows, kv_heads, capacity, head_dim]
+            self._v = value_states.new_empty(rows, value_states.shape[1], self.capacity, value_states.shape[-1])
             self._views()
             self.is_initialized = True
 

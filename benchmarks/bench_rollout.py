@@ -18,6 +18,12 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  unmerge leaves the base weights off by rounding, so this is a measurement, not an engine option)
     full-head    ``prealloc`` as it was before the prefill passed ``logits_to_keep=1``: the LM head over every
                  prompt position of the prefill (logits nobody reads; same tokens)
+    compiled     transformers' own compiled decode: ``generate(cache_implementation="static", compile_config=
+                 CompileConfig(mode="default", _compile_all_devices=True))`` on the same padded B x G rows (no
+                 shared prefill: a static cache is filled by ``generate``'s own prefill); ``torch.compile``
+                 (inductor) traces the decode forward on the first call, which ``--warmup`` leaves out. A
+                 measurement of whether compiling removes the per-operation cost of a small-batch decode, not an
+                 engine option (the cache length, hence the compiled shapes, changes with the prompts)
 
     .venv/bin/python benchmarks/bench_rollout.py                               # B=2, G=8, 128 new tokens, 2 rounds
     .venv/bin/python benchmarks/bench_rollout.py --variants concat,prealloc --rounds 3 --dtype fp32
@@ -45,13 +51,39 @@ VARIANTS = {
     "no-share": {"share_prompt_prefix": False},
     "merged": {},
     "full-head": {},
+    "compiled": {},
 }
+
+
+def generate_compiled(module, prompts: list[list[int]], group_size: int, sampling) -> object:
+    """The ``compiled`` variant: ``TransformersEngine.generate``'s padding, rows and sampling settings, with
+    transformers' static cache and its ``torch.compile`` of the decode forward instead of the shared prefill."""
+    from transformers import CompileConfig
+
+    from vpo_lightning.engines import Generation, eos_token_ids, left_pad, trim_completion
+
+    model, tok = module.policy, module.tokenizer
+    eos = eos_token_ids(model, tok)
+    model.eval()
+    with torch.inference_mode():
+        ids, mask = left_pad(prompts, tok.pad_token_id, module.device)
+        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k or None, max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos), cache_implementation="static",
+            compile_config=CompileConfig(mode="default", _compile_all_devices=True))
+    model.train()
+    completions = [trim_completion(r, eos, tok.pad_token_id) for r in out[:, ids.shape[1]:].tolist()]
+    return Generation(completions, tok.batch_decode(completions, skip_special_tokens=True),
+                      sum(len(c) for c in completions))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="concat,prealloc", help=f"comma-separated, from {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=0, help="rounds run first and left out (compile time)")
     p.add_argument("--prompts-per-step", type=int, default=2, help="B")
     p.add_argument("--group-size", type=int, default=8, help="G")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -93,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, list[int]] = {n: [] for n in names}
     reference, same = None, {}
-    for rnd in range(args.rounds):
+    for rnd in range(-args.warmup, args.rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             engine = TransformersEngine(**VARIANTS[name])
             torch.manual_seed(args.seed)
@@ -102,18 +134,22 @@ def main(argv: list[str] | None = None) -> int:
                 module.policy.merge_adapter()
             engines.accepts_logits_to_keep = (lambda model: False) if name == "full-head" else keeps_logits
             try:
-                gen = engine.generate(module, prompts, args.group_size, sampling)
+                gen = (generate_compiled(module, prompts, args.group_size, sampling) if name == "compiled"
+                       else engine.generate(module, prompts, args.group_size, sampling))
             finally:
                 engines.accepts_logits_to_keep = keeps_logits
                 if name == "merged":
                     module.policy.unmerge_adapter()
-            times[name].append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            print(f"[bench_rollout] round {rnd + 1}{' (warm-up)' if rnd < 0 else ''}: {name} {elapsed:.2f} s, "
+                  f"{gen.num_tokens} tokens", file=sys.stderr, flush=True)
+            if rnd < 0:
+                continue
+            times[name].append(elapsed)
             tokens[name].append(gen.num_tokens)
             if reference is None:
                 reference = gen.completion_ids
             same[name] = same.get(name, True) and gen.completion_ids == reference
-            print(f"[bench_rollout] round {rnd + 1}: {name} {times[name][-1]:.2f} s, {gen.num_tokens} tokens",
-                  file=sys.stderr, flush=True)
 
     base = statistics.median(times[names[0]])
     print(f"\n| variant | median generate (s) | tokens/s | ratio to {names[0]} | same tokens as {names[0]} |\n"

@@ -32,8 +32,9 @@ r = 16 on 4.9M parameters, is left out of the bound: an ideal engine merges it):
   ``training fraction = (flops / matmul_peak) / (step time - generate time)``.
 
 The bound is a roofline, not a promise: at hidden size 576 a decode matmul is far from the square-matmul peak, and
-sampling, the LM head's softmax and Python overhead are not in it. Results go to ``benchmarks/results_roofline.json``
-with the CPU model, its flags (avx2 / avx512f / avx512_bf16 / amx), thread count and dtype.
+sampling, the LM head's softmax and Python overhead are not in it. Results go to
+``benchmarks/results_roofline_<cpu kind>_<dtype>.json`` (cpu kind: ``avx2``, ``avx512`` or ``amx``, see
+:func:`cpu_kind`) with the CPU model, its flags (avx2 / avx512f / avx512_bf16 / amx), thread count and dtype.
 
     .venv/bin/python benchmarks/roofline.py                          # bounds + 1 run x 4 steps (5-15 min on 2 cores)
     .venv/bin/python benchmarks/roofline.py --bounds-only            # the bounds alone (~30 s)
@@ -100,6 +101,17 @@ def cpu_description() -> dict:
         pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
     return {"model": name, "flags": [f for f in wanted if f in flags], "cpus": os.cpu_count()}
+
+
+def cpu_kind(cpu: dict) -> str:
+    """A short name for the CPU kind, from :func:`cpu_description`: ``amx``, ``avx512`` (with or without native
+    bf16: the flags in the results say which), ``avx2`` or ``other``."""
+    flags = cpu["flags"]
+    if "amx_bf16" in flags or "amx_tile" in flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "other"
 
 
 def native_bf16(cpu: dict) -> bool:
@@ -212,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the model's dtype in the run (auto: bf16 where the CPU has it natively, else fp32)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results_roofline.json")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default: benchmarks/results_roofline_<cpu kind>_<dtype>.json)")
     args = p.parse_args(argv)
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
@@ -254,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| training (the rest of the step) | {med['train_s']:.2f} s | {med['trained_tokens_per_s']:.1f} | "
               f"{med['train_bound_s']:.2f} s | {med['train_fraction']:.1%} |")
     out["machine"]["loadavg_1m_at_end"] = os.getloadavg()[0]
+    args.out = args.out or ROOT / "benchmarks" / f"results_roofline_{cpu_kind(cpu)}_{dtype}.json"
     args.out.write_text(json.dumps(out, indent=1))
     print(f"written {args.out} (load average 1 min: {out['machine']['loadavg_1m_at_start']:.1f} at the start, "
           f"{out['machine']['loadavg_1m_at_end']:.1f} at the end)")

@@ -75,3 +75,10 @@ def test_bounds_are_positive_on_this_machine():
                                                (["avx2", "avx512f", "avx512_bf16"], True), (["amx_bf16"], True)])
 def test_native_bf16_only_with_avx512_bf16_or_amx(flags, native):
     assert roofline.native_bf16({"model": "x", "flags": flags, "cpus": 2}) is native
+
+
+@pytest.mark.parametrize(("flags", "kind"), [([], "other"), (["avx2"], "avx2"), (["avx2", "avx512f"], "avx512"),
+                                             (["avx2", "avx512f", "avx512_bf16"], "avx512"),
+                                             (["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "amx")])
+def test_cpu_kind_names_the_results_file(flags, kind):
+    assert roofline.cpu_kind({"model": "x", "flags": flags, "cpus": 2}) == kind

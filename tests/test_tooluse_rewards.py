@@ -91,7 +91,12 @@ def test_no_call_expected() -> None:
     gold = sample()
     assert tooluse_rewards(answer(), gold) == [1.0] * 4
     assert tooluse_rewards(answer(("f", {})), gold) == [0.0] * 4
-    assert tooluse_rewards("<think> x </think>", gold) == [0.0, 1.0, 1.0, 1.0]  # no <response>
+    # a malformed answer is no abstention: it earns nothing on any dimension (it used to earn 1 on three)
+    assert tooluse_rewards("<think> x </think>", gold) == [0.0] * 4  # no <response>
+    assert tooluse_rewards("", gold) == [0.0] * 4
+    assert tooluse_rewards("ber ber ber", gold) == [0.0] * 4
+    assert tooluse_rewards('<think> x </think>\n<tool_call>\n{"name": "f", "par', gold) == [0.0] * 4  # cut off
+    assert tooluse_rewards("<think> x </think><tool_call>not json</tool_call><response>r</response>", gold) == [0.0] * 4
 
 
 @pytest.mark.parametrize(

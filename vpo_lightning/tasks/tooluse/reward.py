@@ -344,10 +344,21 @@ def align(pred: Sequence[Call], gold: Sequence[Call]) -> list[tuple[int, int]]:
 def _pair_mean(candidate: str, sample: Mapping[str, Any], score) -> float:
     """Mean of ``score(pred_args, gold_args)`` over aligned pairs, divided by max(#pred, #gold)."""
     pred, gold = parse_output(candidate).calls, gold_calls(sample)
-    if not pred and not gold:
-        return 1.0
+    if not gold:
+        return _abstention(candidate, sample)
     total = sum(score(pred[i][1], gold[j][1]) for i, j in align(pred, gold))
     return min(1.0, max(0.0, total / max(len(pred), len(gold))))
+
+
+def _abstention(candidate: str, sample: Mapping[str, Any]) -> float:
+    """tool_name, arg_key and arg_value when the gold has no call: "1 if both empty" (VPO-SPEC section 8) counts
+    only a well-formed abstention, ``<think>`` then ``<response>`` and no ``<tool_call>`` tag (the format reward).
+
+    Without this, any malformed text (an unclosed or unparseable ``<tool_call>``, prose, an empty string) parses to
+    no calls and would earn 1 on three of the four dimensions of every no-call prompt: a reward a policy can forge
+    by writing garbage. BFCL's irrelevance check ("no function call decoded") accepts such text; here it scores 0.
+    """
+    return format_reward(candidate, sample)
 
 
 # ---------------------------------------------------------------- the registered rewards
@@ -372,7 +383,9 @@ def format_reward(candidate: str, sample: Mapping[str, Any]) -> float:
 
 @register("tool_name")
 def tool_name_reward(candidate: str, sample: Mapping[str, Any]) -> float:
-    """Multiset F1 of the called tool names against the gold names (1 if both are empty)."""
+    """Multiset F1 of the called tool names against the gold names (no call expected: :func:`_abstention`)."""
+    if not gold_calls(sample):
+        return _abstention(candidate, sample)
     pred = Counter(name for name, _ in parse_output(candidate).calls)
     gold = Counter(name for name, _ in gold_calls(sample))
     return _f1(sum((pred & gold).values()), sum(pred.values()), sum(gold.values()))

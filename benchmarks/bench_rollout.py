@@ -64,6 +64,8 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
 
     model, tok = module.policy, module.tokenizer
     eos = eos_token_ids(model, tok)
+    compile_config = CompileConfig(mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told (a class field)
     model.eval()
     with torch.inference_mode():
         ids, mask = left_pad(prompts, tok.pad_token_id, module.device)
@@ -72,7 +74,7 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k or None, max_new_tokens=sampling.max_new_tokens,
             pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos), cache_implementation="static",
-            compile_config=CompileConfig(mode="default", _compile_all_devices=True))
+            compile_config=compile_config)
     model.train()
     completions = [trim_completion(r, eos, tok.pad_token_id) for r in out[:, ids.shape[1]:].tolist()]
     return Generation(completions, tok.batch_decode(completions, skip_special_tokens=True),

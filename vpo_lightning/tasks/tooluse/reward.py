@@ -393,7 +393,8 @@ def tool_name_reward(candidate: str, sample: Mapping[str, Any]) -> float:
 
 @register("arg_key")
 def arg_key_reward(candidate: str, sample: Mapping[str, Any]) -> float:
-    """Mean argument-key F1 over aligned call pairs; unmatched calls on either side count 0 (1 if both empty)."""
+    """Mean argument-key F1 over aligned call pairs; unmatched calls on either side count 0 (no call expected:
+    :func:`_abstention`)."""
     return _pair_mean(candidate, sample, key_f1)
 
 

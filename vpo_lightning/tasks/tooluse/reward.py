@@ -384,10 +384,10 @@ def format_reward(candidate: str, sample: Mapping[str, Any]) -> float:
 @register("tool_name")
 def tool_name_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     """Multiset F1 of the called tool names against the gold names (no call expected: :func:`_abstention`)."""
-    if not gold_calls(sample):
+    gold = Counter(name for name, _ in gold_calls(sample))
+    if not gold:
         return _abstention(candidate, sample)
     pred = Counter(name for name, _ in parse_output(candidate).calls)
-    gold = Counter(name for name, _ in gold_calls(sample))
     return _f1(sum((pred & gold).values()), sum(pred.values()), sum(gold.values()))
 
 

@@ -4,18 +4,21 @@ The policy is built as `vpo fit` builds it (``VPOModule``: the embedded SmolLM2-
 linear layers), the prompts are the first B tool-use prompts of ``data/tooluse/train.jsonl`` under the chat template
 (as ``benchmarks/vs_trl.py`` selects them), and every variant generates G chains per prompt with the same sampling
 settings and the same seed, so each does the same work; the variants run interleaved (A, B, A, B, ...) so that a
-busy machine slows all alike, and the script checks that every variant produced the same tokens as the first (the
-variants here run the same model code; ``no-share`` computes the prefill in a different batch shape, so its
-floating-point rounding, and then its sampled tokens, may differ; so may ``merged``'s).
+busy machine slows all alike, and the script says whether every variant produced the same tokens as the first.
+Sampled tokens agree only between variants that draw the same random numbers in the same order on the same
+arithmetic: ``loop`` and ``default`` draw differently from ``generate`` (the same distribution), and ``no-share``,
+``merged`` and ``default`` round differently; with ``--top-k 1`` (greedy) the comparison checks the arithmetic.
 
 Variants (``--variants``, comma-separated; the first is the reference of the ratios):
-    concat       ``TransformersEngine(preallocate_cache=False)``: transformers' growing KV cache (torch.cat per step)
-    prealloc     ``TransformersEngine()``: the KV cache in buffers allocated once (the default engine)
-    no-share     ``TransformersEngine(share_prompt_prefix=False)``: each chain prefills its own copy of the prompt
-    merged       ``prealloc`` with the LoRA adapter merged into the base weights for the call (PEFT
-                 ``merge_adapter`` before, ``unmerge_adapter`` after, both inside the timing): no separate LoRA
-                 matmuls per layer, at the price of a merge per step and rounding (tokens may differ; and the
-                 unmerge leaves the base weights off by rounding, so this is a measurement, not an engine option)
+    concat       ``prealloc`` with transformers' growing KV cache (torch.cat per step)
+    prealloc     ``TransformersEngine(decode_loop=False, merge_lora=False)``: ``model.generate`` after the shared
+                 prefill, KV cache in buffers allocated once, unmerged LoRA (the default engine until issue 25)
+    no-share     ``prealloc`` without the shared prefill: each chain prefills its own copy of the prompt
+    merged       ``prealloc`` with ``merge_lora=True``: the adapter merged into a copy of the base weights for the
+                 call (one matmul per layer; the merged weights round once, so tokens may differ)
+    loop         ``prealloc`` with ``decode_loop=True``: the engine's own decode loop (inverse-CDF sampling,
+                 grouped-matmul decode attention); other random draws than ``generate``'s, so other tokens
+    default      ``TransformersEngine()``: the decode loop with the merged adapter (the default engine)
     full-head    ``prealloc`` as it was before the prefill passed ``logits_to_keep=1``: the LM head over every
                  prompt position of the prefill (logits nobody reads; same tokens)
     compiled     transformers' own compiled decode: ``generate(cache_implementation="static", compile_config=
@@ -25,8 +28,8 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  measurement of whether compiling removes the per-operation cost of a small-batch decode, not an
                  engine option (the cache length, hence the compiled shapes, changes with the prompts)
 
-    .venv/bin/python benchmarks/bench_rollout.py                               # B=2, G=8, 128 new tokens, 2 rounds
-    .venv/bin/python benchmarks/bench_rollout.py --variants concat,prealloc --rounds 3 --dtype fp32
+    .venv/bin/python benchmarks/bench_rollout.py           # prealloc vs default: B=2, G=8, 128 tokens, 2 rounds
+    .venv/bin/python benchmarks/bench_rollout.py --variants prealloc,merged,loop,default --rounds 3 --dtype fp32
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+GENERATE = {"decode_loop": False, "merge_lora": False}
 VARIANTS = {
-    "concat": {"preallocate_cache": False},
-    "prealloc": {},
-    "no-share": {"share_prompt_prefix": False},
-    "merged": {},
-    "full-head": {},
-    "compiled": {},
+    "concat": {**GENERATE, "preallocate_cache": False},
+    "prealloc": GENERATE,
+    "no-share": {**GENERATE, "share_prompt_prefix": False},
+    "merged": {**GENERATE, "merge_lora": True},
+    "loop": {"merge_lora": False},
+    "default": {},
+    "full-head": GENERATE,
+    "compiled": GENERATE,
 }
 
 
@@ -83,12 +89,13 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="concat,prealloc", help=f"comma-separated, from {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="prealloc,default", help=f"comma-separated, from {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=0, help="rounds run first and left out (compile time)")
     p.add_argument("--prompts-per-step", type=int, default=2, help="B")
     p.add_argument("--group-size", type=int, default=8, help="G")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=0, help="1 = greedy: then every variant should give the same tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=400)
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--model", default="smollm2-135m")
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                            lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
     module.configure_model()
     prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
-    sampling = SamplingSettings(max_new_tokens=args.max_new_tokens)
+    sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k)
     dtype = str(next(module.policy.parameters()).dtype).removeprefix("torch.")
     cpu = cpu_description()
     print(f"[bench_rollout] {cpu['model']} ({', '.join(cpu['flags'])}), {torch.get_num_threads()} threads, {dtype}, "
@@ -132,16 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             engine = TransformersEngine(**VARIANTS[name])
             torch.manual_seed(args.seed)
             t0 = time.perf_counter()
-            if name == "merged":
-                module.policy.merge_adapter()
             engines.accepts_logits_to_keep = (lambda model: False) if name == "full-head" else keeps_logits
             try:
                 gen = (generate_compiled(module, prompts, args.group_size, sampling) if name == "compiled"
                        else engine.generate(module, prompts, args.group_size, sampling))
             finally:
                 engines.accepts_logits_to_keep = keeps_logits
-                if name == "merged":
-                    module.policy.unmerge_adapter()
             elapsed = time.perf_counter() - t0
             print(f"[bench_rollout] round {rnd + 1}{' (warm-up)' if rnd < 0 else ''}: {name} {elapsed:.2f} s, "
                   f"{gen.num_tokens} tokens", file=sys.stderr, flush=True)

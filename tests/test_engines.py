@@ -199,19 +199,20 @@ def test_preallocated_cache_generation_equals_concatenating_cache():
     assert len(pre.completion_ids) == 6 and all(pre.completion_ids)
 
 
-def test_prefill_runs_the_lm_head_on_one_position_only():
-    """The shared prefill only needs the KV cache: the LM head sees one position per prompt, not all of them,
-    and the tokens are those of the plain (no shared prefill) path (test above)."""
-    from vpo_lightning.engines import TransformersEngine, accepts_logits_to_keep
+@pytest.mark.parametrize("decode_loop", [True, False])
+def test_prefill_skips_the_lm_head(decode_loop):
+    """The shared prefill only needs the KV cache: it runs the decoder without the LM head, so every head call is a
+    decode step's, on one position (tokens: the plain path's, test above)."""
+    from vpo_lightning.engines import TransformersEngine
 
     module, prompts = _tiny_module_and_prompts()
     assert len(prompts[1]) - 1 > 1  # the prefill covers more than one position
-    assert accepts_logits_to_keep(module.policy)
     head = module.policy.get_base_model().get_output_embeddings()
     widths = []
     handle = head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
     try:
-        TransformersEngine(share_prompt_prefix=True).generate(module, prompts, 3, SamplingSettings(max_new_tokens=2))
+        gen = TransformersEngine(share_prompt_prefix=True, decode_loop=decode_loop).generate(
+            module, prompts, 3, SamplingSettings(max_new_tokens=2, top_k=1))
     finally:
         handle.remove()
-    assert widths[0] == 1  # the first head call is the prefill's
+    assert widths == [1] * max(len(c) for c in gen.completion_ids)

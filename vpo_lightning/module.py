@@ -193,7 +193,7 @@ class VPOModule(L.LightningModule):
             mb["advantages"] = ro.advantages[mb["index"]].to(self.device)  # [n]
             if self.loss_settings.beta > 0:
                 mb["ref"] = self.reference_logprobs(mb, ro.temperature)
-            if self.optim_settings.num_iterations > 1 or ro.engine_logprobs is not None:
+            if self.optim_settings.num_iterations > 1:
                 with torch.no_grad():  # skipped when num_iterations = 1: then old = logp.detach() exactly
                     mb["old"] = self.completion_logprobs(self.policy, mb, ro.temperature)
         return mbs
@@ -221,21 +221,26 @@ class VPOModule(L.LightningModule):
                                    mask_dtype)
         return [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
 
-    def _engine_gap(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> float:
-        """Mean |engine log-prob - trainer log-prob| over generated tokens (the train/inference mismatch)."""
-        total, count = 0.0, 0.0
-        for mb in mbs:
-            eng = ro.engine_logprobs[mb["index"], : mb["old"].shape[1]].to(mb["old"])  # [n, L]
-            total += float(((eng - mb["old"]).abs() * mb["completion_mask"]).sum())
-            count += float(mb["completion_mask"].sum())
-        return total / max(count, 1.0)
+    @staticmethod
+    def _engine_gap(engine_logprobs: Tensor, mb: dict[str, Tensor], logp: Tensor) -> tuple[float, float]:
+        """Sum and count of |engine log-prob - trainer log-prob| over a micro-batch's generated tokens (the
+        train/inference mismatch; ``logp`` is the trainer's [n, L] from the first pass, before any update)."""
+        eng = engine_logprobs[mb["index"], : logp.shape[1]].to(logp)  # [n, L]
+        return float(((eng - logp).abs() * mb["completion_mask"]).sum()), float(mb["completion_mask"].sum())
 
-    def _backward_pass(self, ro: Rollout, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
+    def _backward_pass(self, ro: Rollout, mbs: list[dict[str, Tensor]],
+                       engine_logprobs: Tensor | None = None) -> dict[str, float]:
+        """One pass over the micro-batches; with ``engine_logprobs`` ([N, L] of the trained rows), also the mean
+        engine/trainer log-prob gap as ``engine_logprob_gap`` (no extra forward: it reads this pass's log-probs)."""
         totals: dict[str, float] = {}
         max_len = ro.max_length or ro.completion_mask.shape[1]
         whole = self._normaliser(ro)
+        gap_sum, gap_count = 0.0, 0.0
         for mb in mbs:
             logp, ent = self.completion_logprobs(self.policy, mb, ro.temperature, entropy=True)
+            if engine_logprobs is not None:
+                g_sum, g_count = self._engine_gap(engine_logprobs, mb, logp.detach())
+                gap_sum, gap_count = gap_sum + g_sum, gap_count + g_count
             old = mb.get("old", logp.detach())
             loss, stats = policy_loss(
                 logp, old, mb["advantages"], mb["completion_mask"], mb.get("ref"), beta=self.loss_settings.beta,
@@ -253,6 +258,8 @@ class VPOModule(L.LightningModule):
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
             totals["loss"] = 0.0
+        if engine_logprobs is not None and mbs:
+            totals["engine_logprob_gap"] = gap_sum / max(gap_count, 1.0)
         return totals
 
     def _optimizer_step(self) -> tuple[bool, float]:
@@ -274,9 +281,10 @@ class VPOModule(L.LightningModule):
         t0 = time.perf_counter()
         trained_ro = self._rows_with_gradient(ro)  # beta = 0: chains with zero advantage carry no gradient
         mbs = self._prepare(trained_ro)
-        gap = self._engine_gap(trained_ro, mbs) if trained_ro.engine_logprobs is not None and mbs else None
-        for _ in range(self.optim_settings.num_iterations):
-            stats = self._backward_pass(ro, mbs)
+        gap = None
+        for iteration in range(self.optim_settings.num_iterations):
+            stats = self._backward_pass(ro, mbs, trained_ro.engine_logprobs if iteration == 0 else None)
+            gap = stats.pop("engine_logprob_gap", gap)
             if math.isfinite(stats["loss"]):
                 ok, grad_norm = self._optimizer_step()
             else:  # drop the non-finite gradients: left in place they would poison the next step's accumulation

@@ -11,9 +11,8 @@ import types
 import pytest
 import torch
 
+from vpo_lightning.attention import vpo_attention, vpo_sdpa
 from vpo_lightning.decoding import (
-    attention_for_decode,
-    decode_attention,
     filter_logits,
     merged_lora,
     packed_linears,
@@ -82,22 +81,25 @@ def test_decode_attention_equals_sdpa_with_left_padding(dtype):
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                            enable_gqa=True).transpose(1, 2)  # [b, 1, heads, d]
     layer = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)  # what SDPA's path reads of the layer
-    out, _ = decode_attention(layer, q, k, v, mask, scaling=16**-0.5)
+    out, _ = vpo_sdpa(layer, q, k, v, mask, scaling=16**-0.5)
     assert out.shape == (4, 1, 6, 16) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)
 
 
-def test_attention_for_decode_switches_sdpa_models_only_inside_the_block(tiny_module):
+def test_models_loaded_with_sdpa_run_vpo_sdpa_and_others_are_left_alone(tiny_module):
+    from vpo_lightning.attention import NAME, uses_vpo_attention
+
     module = tiny_module()
-    config = module.policy.get_base_model().config
-    assert config._attn_implementation == "sdpa"
-    with attention_for_decode(module.policy) as switched:
-        assert switched and config._attn_implementation != "sdpa"
-    assert config._attn_implementation == "sdpa"
+    assert uses_vpo_attention(module.policy.get_base_model())  # vpo fit's models: SDPA plus the two shortcuts
     eager = tiny_module(attn="eager")
-    with attention_for_decode(eager.policy) as switched:
-        assert not switched
-    assert eager.policy.get_base_model().config._attn_implementation == "eager"
+    config = eager.policy.get_base_model().config
+    with vpo_attention(eager.policy) as switched:
+        assert not switched and config._attn_implementation == "eager"
+    sdpa = torch.nn.Module()
+    sdpa.config = types.SimpleNamespace(_attn_implementation="sdpa")
+    with vpo_attention(sdpa) as switched:
+        assert switched and sdpa.config._attn_implementation == NAME
+    assert sdpa.config._attn_implementation == "sdpa"
 
 
 def _logits(module, ids):

@@ -10,8 +10,8 @@ here removes one of these without changing what is sampled:
   row through the cumulative distribution (the same distribution; other draws than ``multinomial``'s for the same
   seed). It also returns the token's log-probability under ``softmax(logits / T)``, which is what the trainer
   computes, so the engine can report it.
-- :func:`decode_attention`: attention for one query per row as a grouped matmul (no ``repeat_kv``), and
-  ``scaled_dot_product_attention`` for anything else; registered in transformers' ``AttentionInterface``.
+- :func:`vpo_lightning.attention.decode_attention`: attention for one query per row as a grouped matmul (bf16 on
+  CPU), ``scaled_dot_product_attention`` for anything else.
 - :func:`merged_lora`: the adapter's ``B @ A * scale`` added to fresh copies of the base weights for the duration of
   a rollout, with the adapter disabled; the original weight tensors are put back untouched afterwards.
 """
@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-DECODE_ATTENTION = "vpo_decode_sdpa"
 
 
 def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -67,63 +65,6 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
     else:  # the sampling distribution is the policy's: its probability of the drawn token, logged
         logprobs = probs.gather(-1, tokens).clamp_(min=torch.finfo(probs.dtype).tiny).log()  # [n, 1]
     return tokens.squeeze(-1), logprobs.squeeze(-1)
-
-
-def decode_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                     dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers attention function: one query per row as a grouped matmul, otherwise SDPA.
-
-    Args:
-        query: [b, heads, q, d]; key, value: [b, kv_heads, n, d]; attention_mask: boolean [b, 1, q, n] or None
-            (transformers' SDPA mask, registered for this implementation too).
-
-    Returns ``(output [b, q, heads, d], None)`` as transformers' attention functions do.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, heads, q_len, d = query.shape
-    if (q_len != 1 or dropout or query.dtype == torch.float32 or query.device.type != "cpu"
-            or (attention_mask is not None and attention_mask.dtype != torch.bool)):
-        # SDPA's CPU kernel is as fast as the matmuls below in float32 (measured), and GPUs have their own
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    kv_heads = key.shape[1]
-    grouped = query.reshape(b, kv_heads, heads // kv_heads, d)  # [b, kv_heads, groups, d]
-    # k @ q^T rather than q @ k^T: torch's CPU bf16 matmul copies a transposed strided key first (3x slower)
-    scores = torch.matmul(key, grouped.transpose(-1, -2))  # [b, kv_heads, n, groups]
-    scores = scores.transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)  # [b, kv, groups, n]
-    scores *= d**-0.5 if scaling is None else scaling
-    if attention_mask is not None:
-        scores.masked_fill_(~attention_mask[:, :, -1:, :], -math.inf)  # mask [b, 1, 1, n] broadcast
-    weights = scores.softmax(-1).to(value.dtype)  # [b, kv_heads, groups, n]
-    out = torch.matmul(weights, value)  # [b, kv_heads, groups, d]
-    return out.reshape(b, 1, heads, d), None
-
-
-@functools.cache
-def register_decode_attention() -> str:
-    """Register :func:`decode_attention` (and SDPA's mask builder) with transformers under ``DECODE_ATTENTION``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-    return DECODE_ATTENTION
-
-
-@contextlib.contextmanager
-def attention_for_decode(model: nn.Module) -> Iterator[bool]:
-    """Within the block, a model that uses SDPA uses :func:`decode_attention` (yields whether it switched)."""
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    switched = [c for c in configs.values() if getattr(c, "_attn_implementation", None) == "sdpa"]
-    name = register_decode_attention() if switched else None
-    for config in switched:
-        config._attn_implementation = name
-    try:
-        yield bool(switched)
-    finally:
-        for config in switched:
-            config._attn_implementation = "sdpa"
 
 
 def mergeable_lora_layers(model: nn.Module) -> list[Any] | None:

@@ -231,10 +231,10 @@ class TransformersEngine(Engine):
             ``max_new_tokens`` (``PreallocatedKVLayer``) instead of growing it by concatenation at every step; the
             same tokens, less copying.
         decode_loop: with ``share_prompt_prefix``, decode with this engine's own loop over the model's forward
-            (:mod:`vpo_lightning.decoding`: inverse-CDF sampling instead of ``torch.multinomial``, a grouped-matmul
-            attention for the single decode query) instead of ``model.generate``. The same model, distribution and
-            settings; other random draws for the same seed; per-token log-probs reported for
-            ``train/engine_logprob_gap``.
+            (:mod:`vpo_lightning.decoding`: inverse-CDF sampling instead of ``torch.multinomial``; and
+            :mod:`vpo_lightning.attention`: a grouped-matmul attention for the single decode query in bf16)
+            instead of ``model.generate``. The same model, distribution and settings; other random draws for the
+            same seed; per-token log-probs reported for ``train/engine_logprob_gap``.
         merge_lora: run each rollout with the LoRA adapter merged into a copy of the base weights (exactly restored
             afterwards; skipped for quantized bases and DoRA). One matmul per layer instead of three; the merged
             weights round once to the model dtype, so log-probs differ from the unmerged policy's by rounding
@@ -318,7 +318,8 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
                  seeds: list[int] | None = None) -> Generation:
-        from vpo_lightning.decoding import attention_for_decode, merged_lora, packed_linears
+        from vpo_lightning.attention import vpo_attention
+        from vpo_lightning.decoding import merged_lora, packed_linears
 
         model, tok = module.policy, module.tokenizer
         was_training = model.training
@@ -331,7 +332,7 @@ class TransformersEngine(Engine):
         try:
             with (merged_lora(model) if self.merge_lora else nothing,
                   packed_linears(model, rows) if self.pack_weights else nothing,
-                  attention_for_decode(model) if self.decode_loop else nothing):
+                  vpo_attention(model) if self.decode_loop else nothing):
                 for prompts, seed in self._calls(prompt_ids, group_size, seeds):
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:

@@ -341,6 +341,10 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     if device is not None and not settings.load_in_4bit:
         model.to(device)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    if settings.attn_implementation == "sdpa":  # SDPA, with less work for decode steps and packed rows
+        from vpo_lightning.attention import use_vpo_attention
+
+        use_vpo_attention(model)
     return model
 
 

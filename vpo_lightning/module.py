@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from vpo_lightning.attention import uses_vpo_attention
 from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.dynamic_sampling import rows_to_train
 from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
@@ -144,8 +145,12 @@ class VPOModule(L.LightningModule):
         """Per-token log-probs of the completion tokens, ``[n, L]``, from a chunked pass over hidden states."""
         decoder, head = self._decoder_and_head(model)
         if "gather" in mb:  # a packed row: [prompt | completion_1 | ... | completion_n]
+            # under SDPA, attention runs per segment (vpo_lightning.attention): the prompt once, then each
+            # completion against [prompt | itself], instead of every pair of the row under the block mask
+            segments = mb["segments"].tolist() if "segments" in mb and uses_vpo_attention(decoder) else None
+            extra = {"vpo_segments": (segments[0], segments[1:])} if segments else {}
             hidden = decoder(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                             position_ids=mb["position_ids"], use_cache=False).last_hidden_state  # [1, T, H]
+                             position_ids=mb["position_ids"], use_cache=False, **extra).last_hidden_state  # [1, T, H]
             hidden = hidden[0, mb["gather"]]  # [n, L, H] the state that predicts each completion token
             return per_token_logprobs(hidden, head, mb["targets"], chunk_size=self.optim_settings.logprob_chunk_size,
                                       temperature=temperature, return_entropy=entropy)

@@ -60,7 +60,9 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor
 
     Returns a dict with ``input_ids`` and ``position_ids`` ``[1, T]``, ``attention_mask`` ``[1, 1, T, T]``,
     ``gather`` ``[n, L]`` (the position of the hidden state that predicts each completion token; 0 on padding),
-    ``targets`` ``[n, L]`` and ``completion_mask`` ``[n, L]`` cut to the longest real completion L.
+    ``targets`` ``[n, L]`` and ``completion_mask`` ``[n, L]`` cut to the longest real completion L, and
+    ``segments`` ``[1 + n]`` (the prompt's length, then each completion's: what
+    :func:`vpo_lightning.attention.segment_attention` needs instead of the mask).
     """
     P = prompt_length
     first = rows[0]
@@ -88,6 +90,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor
         "position_ids": torch.cat(positions)[None],  # [1, T]
         "attention_mask": packed_attention_mask(p, lengths, dtype),  # [1, 1, T, T]
         "gather": gather, "targets": targets, "completion_mask": cmask,
+        "segments": torch.tensor([p, *lengths]),  # [1 + n] the prompt's and each completion's length
     }
 
 

@@ -10,17 +10,20 @@ arithmetic: ``loop`` and ``default`` draw differently from ``generate`` (the sam
 ``merged`` and ``default`` round differently; with ``--top-k 1`` (greedy) the comparison checks the arithmetic.
 
 Variants (``--variants``, comma-separated; the first is the reference of the ratios):
+    before       the engine as it was before issue 25's second pass: ``prealloc`` with the model on plain SDPA
+                 attention (``set_attn_implementation("sdpa")`` for the call); only the prefill's skipped LM head is
+                 new in it
     concat       ``prealloc`` with transformers' growing KV cache (torch.cat per step)
-    prealloc     ``TransformersEngine(decode_loop=False, merge_lora=False)``: ``model.generate`` after the shared
-                 prefill, KV cache in buffers allocated once, unmerged LoRA (the default engine until issue 25)
+    prealloc     ``TransformersEngine(decode_loop=False, merge_lora=False, pack_weights=False)``:
+                 ``model.generate`` after the shared prefill, KV cache in buffers allocated once, unmerged LoRA, the
+                 model's attention as ``vpo fit`` loads it (``vpo_sdpa``: a grouped-matmul decode in bf16)
     no-share     ``prealloc`` without the shared prefill: each chain prefills its own copy of the prompt
+    packed       ``prealloc`` with ``pack_weights=True``: oneDNN-prepacked linear weights for the call
     merged       ``prealloc`` with ``merge_lora=True``: the adapter merged into a copy of the base weights for the
                  call (one matmul per layer; the merged weights round once, so tokens may differ)
     loop         ``prealloc`` with ``decode_loop=True``: the engine's own decode loop (inverse-CDF sampling,
                  grouped-matmul decode attention); other random draws than ``generate``'s, so other tokens
-    default      ``TransformersEngine()``: the decode loop with the merged adapter (the default engine)
-    full-head    ``prealloc`` as it was before the prefill passed ``logits_to_keep=1``: the LM head over every
-                 prompt position of the prefill (logits nobody reads; same tokens)
+    default      ``TransformersEngine()``: the decode loop, the merged adapter, prepacked weights (the default)
     compiled     transformers' own compiled decode: ``generate(cache_implementation="static", compile_config=
                  CompileConfig(mode="default", _compile_all_devices=True))`` on the same padded B x G rows (no
                  shared prefill: a static cache is filled by ``generate``'s own prefill); ``torch.compile``
@@ -28,8 +31,8 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  measurement of whether compiling removes the per-operation cost of a small-batch decode, not an
                  engine option (the cache length, hence the compiled shapes, changes with the prompts)
 
-    .venv/bin/python benchmarks/bench_rollout.py           # prealloc vs default: B=2, G=8, 128 tokens, 2 rounds
-    .venv/bin/python benchmarks/bench_rollout.py --variants prealloc,merged,loop,default --rounds 3 --dtype fp32
+    .venv/bin/python benchmarks/bench_rollout.py           # before vs default: B=2, G=8, 128 tokens, 2 rounds
+    .venv/bin/python benchmarks/bench_rollout.py --variants before,prealloc,packed,merged,loop,default --rounds 3
 """
 
 from __future__ import annotations
@@ -48,15 +51,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-GENERATE = {"decode_loop": False, "merge_lora": False}
+GENERATE = {"decode_loop": False, "merge_lora": False, "pack_weights": False}
 VARIANTS = {
+    "before": GENERATE,
     "concat": {**GENERATE, "preallocate_cache": False},
     "prealloc": GENERATE,
     "no-share": {**GENERATE, "share_prompt_prefix": False},
+    "packed": {**GENERATE, "pack_weights": True},
     "merged": {**GENERATE, "merge_lora": True},
-    "loop": {"merge_lora": False},
+    "loop": {**GENERATE, "decode_loop": True},
     "default": {},
-    "full-head": GENERATE,
     "compiled": GENERATE,
 }
 
@@ -87,9 +91,21 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
                       sum(len(c) for c in completions))
 
 
+def agreement(reference: list[list[int]], chains: list[list[int]]) -> tuple[float, float]:
+    """The fraction of chains equal to the reference's, and the mean number of leading tokens they share with it."""
+    shared = []
+    for ref, got in zip(reference, chains):
+        n = 0
+        while n < min(len(ref), len(got)) and ref[n] == got[n]:
+            n += 1
+        shared.append(n)
+    equal = sum(r == c for r, c in zip(reference, chains)) / max(len(chains), 1)
+    return equal, sum(shared) / max(len(shared), 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="prealloc,default", help=f"comma-separated, from {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="before,default", help=f"comma-separated, from {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=0, help="rounds run first and left out (compile time)")
     p.add_argument("--prompts-per-step", type=int, default=2, help="B")
@@ -110,19 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import cpu_description
     from vs_trl import select_prompts
 
-    from vpo_lightning import engines
+    from vpo_lightning.attention import NAME
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
     from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
     from vpo_lightning.module import VPOModule
     from vpo_lightning.runtime import tune_malloc
 
-    keeps_logits = engines.accepts_logits_to_keep
     tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
     records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
                              args.max_prompt_tokens, args.model)
     module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,
                                            lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
     module.configure_model()
+    base = module.policy.get_base_model()
+    attention = base.config._attn_implementation
+    assert attention == NAME, attention
     prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
     sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k)
     dtype = str(next(module.policy.parameters()).dtype).removeprefix("torch.")
@@ -133,18 +151,19 @@ def main(argv: list[str] | None = None) -> int:
 
     times: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, list[int]] = {n: [] for n in names}
-    reference, same = None, {}
+    reference, same, agree = None, {}, {}
     for rnd in range(-args.warmup, args.rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             engine = TransformersEngine(**VARIANTS[name])
             torch.manual_seed(args.seed)
             t0 = time.perf_counter()
-            engines.accepts_logits_to_keep = (lambda model: False) if name == "full-head" else keeps_logits
+            if name == "before":
+                base.set_attn_implementation("sdpa")
             try:
                 gen = (generate_compiled(module, prompts, args.group_size, sampling) if name == "compiled"
                        else engine.generate(module, prompts, args.group_size, sampling))
             finally:
-                engines.accepts_logits_to_keep = keeps_logits
+                base.set_attn_implementation(attention)
             elapsed = time.perf_counter() - t0
             print(f"[bench_rollout] round {rnd + 1}{' (warm-up)' if rnd < 0 else ''}: {name} {elapsed:.2f} s, "
                   f"{gen.num_tokens} tokens", file=sys.stderr, flush=True)
@@ -155,21 +174,26 @@ def main(argv: list[str] | None = None) -> int:
             if reference is None:
                 reference = gen.completion_ids
             same[name] = same.get(name, True) and gen.completion_ids == reference
+            agree[name] = agreement(reference, gen.completion_ids)
 
-    base = statistics.median(times[names[0]])
-    print(f"\n| variant | median generate (s) | tokens/s | ratio to {names[0]} | same tokens as {names[0]} |\n"
-          "|---|---|---|---|---|")
+    first = statistics.median(times[names[0]])
+    print(f"\n| variant | median generate (s) | tokens/s | ratio to {names[0]} | same tokens as {names[0]} "
+          "(chains equal, mean shared prefix) |\n|---|---|---|---|---|")
     for name in names:
         med = statistics.median(times[name])
         rate = statistics.median(n / t for n, t in zip(tokens[name], times[name]))
-        print(f"| {name} | {med:.2f} | {rate:.1f} | {base / med:.2f}x | {'yes' if same[name] else 'NO'} |")
+        equal, prefix = agree[name]
+        print(f"| {name} | {med:.2f} | {rate:.1f} | {first / med:.2f}x | {'yes' if same[name] else 'NO'} "
+              f"({equal:.0%}, {prefix:.1f} tokens) |")
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     if args.out:
         args.out.write_text(json.dumps({
             "machine": {**cpu, "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                         "loadavg_1m_at_end": os.getloadavg()[0]},
             "settings": {k: str(v) for k, v in vars(args).items()}, "dtype": dtype, "times_s": times,
-            "tokens": tokens, "same_tokens_as_first": same}, indent=1))
+            "tokens": tokens, "same_tokens_as_first": same,
+            "agreement_with_first": {n: {"chains_equal": a[0], "mean_shared_prefix": a[1]} for n, a in agree.items()}},
+            indent=1))
     return 0
 
 

@@ -229,3 +229,28 @@ def test_bf16_decode_loop_stays_close_to_the_trainer(tiny_module):
         engine[i, : len(lp)] = torch.tensor(lp)
     gap = float(((engine - trainer).abs() * comp).sum() / comp.sum())
     assert gap < 0.05, gap
+
+
+def test_fast_linears_packs_the_merged_weights_and_leaves_the_model_as_it_was(tiny_module):
+    """merge + pack: the base layers multiply with packed merged weights (the adapters' own layers are not packed,
+    they are disabled), the outputs are the merged model's, and afterwards the model is the adapted one again."""
+    from vpo_lightning.decoding import fast_linears
+
+    if not packing_works(torch.float32):
+        pytest.skip("this torch/CPU has no oneDNN prepacked float32 products")
+    module = tiny_module()
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    linears = [m for m in module.policy.modules() if type(m) is torch.nn.Linear]
+    adapters = [m for n, m in module.policy.named_modules() if type(m) is torch.nn.Linear and ".lora_" in n]
+    with torch.no_grad():
+        adapted = _logits(module, ids)
+        with merged_lora(module.policy):
+            merged = _logits(module, ids)
+        with fast_linears(module.policy, rows=1):
+            packed = [m for m in linears if "forward" in vars(m)]
+            fast = _logits(module, ids)
+        after = _logits(module, ids)
+    assert adapters and not any(m in packed for m in adapters)
+    assert len(packed) == len(linears) - len(adapters)  # every base layer and the LM head
+    torch.testing.assert_close(fast, merged, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after, adapted) and not any("forward" in vars(m) for m in linears)

@@ -14,6 +14,8 @@ here removes one of these without changing what is sampled:
   CPU), ``scaled_dot_product_attention`` for anything else.
 - :func:`merged_lora`: the adapter's ``B @ A * scale`` added to fresh copies of the base weights for the duration of
   a rollout, with the adapter disabled; the original weight tensors are put back untouched afterwards.
+- :func:`packed_linears`: oneDNN-prepacked weights for the small-row products of a decode step (CPU);
+  :func:`fast_linears` combines the two with one extra copy of the weights.
 """
 
 from __future__ import annotations
@@ -84,14 +86,26 @@ def mergeable_lora_layers(model: nn.Module) -> list[Any] | None:
     return layers or None
 
 
+def merged_weight(layer: Any) -> Tensor:
+    """A LoRA layer's base weight plus its active adapters' ``B @ A * scale``, summed in float32 and rounded once to
+    the weight's dtype: a new tensor [out, in] (the base weight is not written)."""
+    weight = layer.get_base_layer().weight  # [out, in]
+    merged = weight.detach().float()  # a copy unless the weights are float32 ...
+    merged = merged.clone() if merged.data_ptr() == weight.data_ptr() else merged  # ... then one here
+    for name in layer.active_adapters:
+        if name in layer.lora_A:
+            merged += layer.get_delta_weight(name)
+    return merged.to(weight.dtype)
+
+
 @contextlib.contextmanager
 def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Within the block, ``model`` runs with its active LoRA adapters merged into copies of the base weights and the
     adapter layers disabled: one matmul per linear layer instead of three, no dtype casts between a float32
-    adapter and a bf16 base. The merge is computed in float32 and rounded once to the weight dtype. On exit the
-    original weight tensors are put back (bitwise unchanged: they were never written). Yields False, changing
-    nothing, when the layers cannot be merged (see :func:`mergeable_lora_layers`) or ``model`` has no
-    ``disable_adapter``. Costs one copy of the adapted weights while the block runs.
+    adapter and a bf16 base (:func:`merged_weight`). On exit the original weight tensors are put back (bitwise
+    unchanged: they were never written). Yields False, changing nothing, when the layers cannot be merged (see
+    :func:`mergeable_lora_layers`) or ``model`` has no ``disable_adapter``. Costs one copy of the adapted weights
+    while the block runs.
     """
     layers = mergeable_lora_layers(model) if hasattr(model, "disable_adapter") else None
     if layers is None:
@@ -102,14 +116,8 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         with torch.no_grad():
             for layer in layers:
                 base = layer.get_base_layer()
-                weight = base.weight  # [out, in]
-                merged = weight.float()  # [out, in] a copy when the weights are not float32 ...
-                merged = merged.clone() if merged is weight else merged  # ... and when they are
-                for name in layer.active_adapters:
-                    if name in layer.lora_A:
-                        merged += layer.get_delta_weight(name)
-                saved.append((base, weight))
-                base.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+                saved.append((base, base.weight))
+                base.weight = nn.Parameter(merged_weight(layer), requires_grad=False)
         with model.disable_adapter():
             yield True
     finally:
@@ -146,33 +154,63 @@ def packing_works(dtype: torch.dtype) -> bool:
     return out.shape == ref.shape and torch.allclose(out.float(), ref, rtol=2e-2, atol=5e-2)
 
 
-def _packed_linear(weight: Tensor, packed: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
-    if x.dtype != weight.dtype or x.device.type != "cpu":
-        return torch.nn.functional.linear(x, weight, bias)
+def _packed_linear(packed: Tensor, dtype: torch.dtype, bias: Tensor | None, x: Tensor) -> Tensor:
+    if x.dtype != dtype:  # not seen in practice (the layer's input has the model's dtype); kept correct anyway
+        return _packed_linear(packed, dtype, bias, x.to(dtype)).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
+def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | None = None,
+                   skip: set[nn.Module] | None = None) -> Iterator[int]:
     """Within the block (inference only: the weights must not change), every plain float ``nn.Linear`` of ``model``
     on CPU multiplies with a oneDNN-prepacked copy of its current weight. A decode step is ~16 rows against each
     weight, where torch's ``linear`` reaches about half the speed of the prepacked product (measured on an AVX-512
     CPU: all 210 layer products of SmolLM2 at 16 rows 24 -> 15 ms in bf16, 56 -> 26 ms in float32; its LM head 6.5
     -> 2.9 ms in bf16). bf16 results were bitwise equal to ``linear`` in our checks; float32 ones differ by summation
     order (~1e-4). Yields the number of layers switched (0: nothing changed). Costs one copy of those weights while
-    the block runs."""
+    the block runs.
+
+    Args:
+        weights: for these modules, a function returning the weight to pack instead of their own (called once;
+            the tensor is dropped after packing: how :func:`fast_linears` packs merged LoRA weights).
+        skip: modules left as they are.
+    """
+    weights, skip = weights or {}, skip or set()
     switched: list[nn.Module] = []
     try:
         with torch.no_grad():
             for mod in model.modules():
-                if type(mod) is not nn.Linear or "forward" in vars(mod):
+                if type(mod) is not nn.Linear or "forward" in vars(mod) or mod in skip:
                     continue
-                packed = prepack_linear_weight(mod.weight, rows)
+                if mod.weight.device.type != "cpu" or not packing_works(mod.weight.dtype):
+                    continue
+                packed = prepack_linear_weight(weights[mod]() if mod in weights else mod.weight, rows)
                 if packed is None:
                     continue
-                mod.forward = functools.partial(_packed_linear, mod.weight, packed, mod.bias)
+                mod.forward = functools.partial(_packed_linear, packed, mod.weight.dtype, mod.bias)
                 switched.append(mod)
         yield len(switched)
     finally:
         for mod in switched:
             del mod.forward
+
+
+@contextlib.contextmanager
+def fast_linears(model: nn.Module, rows: int, merge: bool = True, pack: bool = True) -> Iterator[None]:
+    """The engine's linear layers for one rollout: the LoRA adapter merged (:func:`merged_lora`) and/or every
+    weight prepacked (:func:`packed_linears`). With both, each merged weight is packed and dropped at once, so
+    the block holds one extra copy of the weights (the packed one), not two."""
+    layers = mergeable_lora_layers(model) if merge and hasattr(model, "disable_adapter") else None
+    packable = layers is not None and all(
+        layer.get_base_layer().weight.device.type == "cpu" and packing_works(layer.get_base_layer().weight.dtype)
+        for layer in layers)
+    if pack and packable:
+        merged = {layer.get_base_layer(): functools.partial(merged_weight, layer) for layer in layers}
+        adapters = {m for layer in layers for d in (layer.lora_A, layer.lora_B) for m in d.modules()}
+        with packed_linears(model, rows, merged, skip=adapters), model.disable_adapter():
+            yield
+        return
+    nothing = contextlib.nullcontext()
+    with merged_lora(model) if merge else nothing, packed_linears(model, rows) if pack else nothing:
+        yield

@@ -319,7 +319,7 @@ class TransformersEngine(Engine):
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
                  seeds: list[int] | None = None) -> Generation:
         from vpo_lightning.attention import vpo_attention
-        from vpo_lightning.decoding import merged_lora, packed_linears
+        from vpo_lightning.decoding import fast_linears
 
         model, tok = module.policy, module.tokenizer
         was_training = model.training
@@ -330,8 +330,7 @@ class TransformersEngine(Engine):
         nothing = contextlib.nullcontext(False)
         rows = len(self._calls(prompt_ids, group_size, seeds)[0][0]) * group_size  # rows of a generate call
         try:
-            with (merged_lora(model) if self.merge_lora else nothing,
-                  packed_linears(model, rows) if self.pack_weights else nothing,
+            with (fast_linears(model, rows, merge=self.merge_lora, pack=self.pack_weights),
                   vpo_attention(model) if self.decode_loop else nothing):
                 for prompts, seed in self._calls(prompt_ids, group_size, seeds):
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]

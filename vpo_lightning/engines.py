@@ -235,10 +235,11 @@ class TransformersEngine(Engine):
             :mod:`vpo_lightning.attention`: a grouped-matmul attention for the single decode query in bf16)
             instead of ``model.generate``. The same model, distribution and settings; other random draws for the
             same seed; per-token log-probs reported for ``train/engine_logprob_gap``.
-        merge_lora: run each rollout with the LoRA adapter merged into a copy of the base weights (exactly restored
-            afterwards; skipped for quantized bases and DoRA). One matmul per layer instead of three; the merged
-            weights round once to the model dtype, so log-probs differ from the unmerged policy's by rounding
-            (logged as ``train/engine_logprob_gap`` with ``decode_loop``).
+        merge_lora: on CPU, run each rollout with the LoRA adapter merged into a copy of the base weights (the
+            originals are put back untouched; skipped for quantized bases and DoRA, and on GPUs, where the copy
+            would take GPU memory and the unmerged products cost little). One matmul per layer instead of three;
+            the merged weights round once to the model dtype, so log-probs differ from the unmerged policy's by
+            rounding (logged as ``train/engine_logprob_gap`` with ``decode_loop``).
         pack_weights: on CPU, multiply with oneDNN-prepacked copies of the linear weights during each rollout
             (:func:`~vpo_lightning.decoding.packed_linears`; ~1.6x faster products at decode's 16 rows in bf16, ~2x
             in float32; float32 results differ by summation order). Costs a copy of the weights while generating.
@@ -329,8 +330,9 @@ class TransformersEngine(Engine):
         logprobs: list[list[float]] | None = [] if self.decode_loop and self.share_prompt_prefix else None
         nothing = contextlib.nullcontext(False)
         rows = len(self._calls(prompt_ids, group_size, seeds)[0][0]) * group_size  # rows of a generate call
+        on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
         try:
-            with (fast_linears(model, rows, merge=self.merge_lora, pack=self.pack_weights),
+            with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights),
                   vpo_attention(model) if self.decode_loop else nothing):
                 for prompts, seed in self._calls(prompt_ids, group_size, seeds):
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]

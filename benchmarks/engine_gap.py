@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
     from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
     from vpo_lightning.module import VPOModule
-    from vpo_lightning.protocol import Rollout
-    from vpo_lightning.rollout import build_rollout_tensors
+    from vpo_lightning.protocol import Rollout, build_rollout_tensors, engine_logprob_tensor
     from vpo_lightning.runtime import tune_malloc
 
     tune_malloc()
@@ -63,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         gen = engine.generate(module, prompts, G, sampling)
         ids, attn, comp, P = build_rollout_tensors(prompts, gen, G, module.tokenizer.pad_token_id)
-        engine_lp = torch.zeros_like(comp, dtype=torch.float32)  # [N, L]
-        for i, lp in enumerate(gen.engine_logprobs):
-            engine_lp[i, : len(lp)] = torch.tensor(lp)
+        engine_lp = engine_logprob_tensor(gen, comp)  # [N, L]
         n = len(gen.completion_ids)
         ro = Rollout(ids, attn, comp, P, torch.zeros(n), torch.zeros(n, 1, 1), torch.ones(n, 1, dtype=torch.bool),
                      gen.texts, engine_logprobs=engine_lp)

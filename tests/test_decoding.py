@@ -175,8 +175,7 @@ def test_decode_loop_gives_the_reference_engines_tokens_under_greedy_decoding(ti
 def test_decode_loop_logprobs_are_the_trainers(tiny_module):
     """The engine's per-token log-probs against the trainer's for the same chains: the gap that the module logs as
     ``train/engine_logprob_gap`` (float32: ~1e-6); and the module's gap is that mean, read without a second pass."""
-    from vpo_lightning.protocol import Rollout
-    from vpo_lightning.rollout import build_rollout_tensors
+    from vpo_lightning.protocol import Rollout, build_rollout_tensors, engine_logprob_tensor
 
     module = tiny_module()
     module.trainer = types.SimpleNamespace(world_size=1)  # the pieces of the trainer a backward pass touches
@@ -186,9 +185,7 @@ def test_decode_loop_logprobs_are_the_trainers(tiny_module):
     gen = TransformersEngine().generate(module, prompts, 3, SamplingSettings(max_new_tokens=10))
     assert [len(lp) for lp in gen.engine_logprobs] == [len(c) for c in gen.completion_ids]
     ids, attn, comp, P = build_rollout_tensors(prompts, gen, 3, module.tokenizer.pad_token_id)
-    engine_lp = torch.zeros_like(comp, dtype=torch.float32)  # [N, L]
-    for i, lp in enumerate(gen.engine_logprobs):
-        engine_lp[i, : len(lp)] = torch.tensor(lp)
+    engine_lp = engine_logprob_tensor(gen, comp)  # [N, L]
     n = len(gen.completion_ids)
     ro = Rollout(ids, attn, comp, P, torch.randn(n), torch.zeros(n, 1, 1), torch.ones(n, 1, dtype=torch.bool),
                  gen.texts, engine_logprobs=engine_lp)
@@ -217,16 +214,14 @@ def test_bf16_decode_loop_stays_close_to_the_trainer(tiny_module):
     module.policy.to(torch.bfloat16)
     prompts = _prompts(module)
     gen = TransformersEngine().generate(module, prompts, 2, SamplingSettings(top_k=1, max_new_tokens=8))
-    from vpo_lightning.rollout import build_rollout_tensors
+    from vpo_lightning.protocol import build_rollout_tensors, engine_logprob_tensor
 
     ids, attn, comp, P = build_rollout_tensors(prompts, gen, 2, module.tokenizer.pad_token_id)
     with torch.no_grad():
         logits = module.policy(input_ids=ids, attention_mask=attn,
                                position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits.float()
     trainer = logits[:, P - 1 : -1].log_softmax(-1).gather(-1, ids[:, P:, None])[..., 0]  # [N, L]
-    engine = torch.zeros_like(trainer)
-    for i, lp in enumerate(gen.engine_logprobs):
-        engine[i, : len(lp)] = torch.tensor(lp)
+    engine = engine_logprob_tensor(gen, comp)  # [N, L]
     gap = float(((engine - trainer).abs() * comp).sum() / comp.sum())
     assert gap < 0.05, gap
 

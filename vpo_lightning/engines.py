@@ -339,8 +339,8 @@ class TransformersEngine(Engine):
                     if seed is not None:
                         torch.manual_seed(seed)
                     if logprobs is not None and ids.shape[1] > 1:
-                        rows, lps = self._decode(model, ids, mask, group_size, sampling, eos, tok.pad_token_id)
-                        completions, logprobs = completions + rows, logprobs + lps
+                        chains, lps = self._decode(model, ids, mask, group_size, sampling, eos, tok.pad_token_id)
+                        completions, logprobs = completions + chains, logprobs + lps
                         continue
                     completions += self._generate_call(model, tok, ids, mask, group_size, sampling, eos)
                     if logprobs is not None:  # a one-token prompt: generate() has no log-probs to report

@@ -124,8 +124,19 @@ class Rollout:
     texts: list[str]
     temperature: float = 1.0
     max_length: int = 0  # the generation budget (Dr. GRPO's constant normaliser); 0 = the batch's L
-    engine_logprobs: Tensor | None = None  # [N, L] from the engine (vLLM), for the train/inference gap
+    engine_logprobs: Tensor | None = None  # [N, L] from the engine (its decode loop, vLLM): the train/inference gap
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def engine_logprob_tensor(gen: Generation, completion_mask: Tensor) -> Tensor | None:
+    """The engine's per-token log-probs as a float tensor shaped like ``completion_mask`` [N, L] (zeros past each
+    chain's end), or None when the engine reported none."""
+    if gen.engine_logprobs is None:
+        return None
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32)  # [N, L]
+    for i, lp in enumerate(gen.engine_logprobs):
+        out[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out
 
 
 def build_rollout_tensors(

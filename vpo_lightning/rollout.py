@@ -28,7 +28,14 @@ from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.dynamic_sampling import DynamicSamplingSettings, Round, fill_batch
 from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
 from vpo_lightning.models import prompt_token_ids
-from vpo_lightning.protocol import ChainProtocol, Estimator, Rollout, build_rollout_tensors, derive_seed
+from vpo_lightning.protocol import (
+    ChainProtocol,
+    Estimator,
+    Rollout,
+    build_rollout_tensors,
+    derive_seed,
+    engine_logprob_tensor,
+)
 from vpo_lightning.rewards import RewardScores
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
@@ -182,11 +189,7 @@ class RolloutCallback(L.Callback):
         B, G = len(rnd.records), self.group_size
         gen = Generation(rnd.completion_ids, rnd.texts, rnd.num_tokens, rnd.engine_logprobs)
         ids, attn, comp, P = build_rollout_tensors(rnd.prompts, gen, G, pl_module.tokenizer.pad_token_id)
-        engine_lp = None
-        if gen.engine_logprobs is not None:
-            engine_lp = torch.zeros_like(comp)  # [N, L]
-            for i, lp in enumerate(gen.engine_logprobs):
-                engine_lp[i, : len(lp)] = torch.tensor(lp)
+        engine_lp = engine_logprob_tensor(gen, comp)  # [N, L] or None
         rewards, mask = rnd.rewards.reshape(B * G, self.m, -1), rnd.mask.reshape(B * G, self.m)  # [N, m, D], [N, m]
         scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
         stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,

@@ -423,8 +423,8 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
 
     original = VPOModule._backward_pass
 
-    def poisoned(self, ro, mbs):
-        stats = original(self, ro, mbs)
+    def poisoned(self, ro, mbs, *args):
+        stats = original(self, ro, mbs, *args)
         return {**stats, "loss": float("nan")} if self.global_step >= 2 else stats
 
     monkeypatch.setattr(VPOModule, "_backward_pass", poisoned)

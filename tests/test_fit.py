@@ -52,6 +52,9 @@ def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
                 "train/reward/parsed/mean", "train/reward/all/format", "train/chains/candidate_parse_rate"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
     assert "train/reward/mean" not in scalars  # renamed: its name did not say it skipped unparsed candidates
+    # the transformers engine's decode loop reports its log-probs: the train/inference gap is logged, and small
+    assert scalars.get("train/engine_logprob_gap"), f"no engine gap logged; have {sorted(scalars)}"
+    assert all(0.0 <= gap < 0.5 for _, gap in scalars["train/engine_logprob_gap"])
     for (_, every), (_, parsed), (_, rate) in zip(scalars["train/reward/all/mean"], scalars["train/reward/parsed/mean"],
                                                   scalars["train/chains/candidate_parse_rate"]):
         assert every == pytest.approx(parsed * rate, abs=1e-6)

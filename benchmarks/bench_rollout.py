@@ -21,8 +21,8 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
     packed       ``prealloc`` with ``pack_weights=True``: oneDNN-prepacked linear weights for the call
     merged       ``prealloc`` with ``merge_lora=True``: the adapter merged into a copy of the base weights for the
                  call (one matmul per layer; the merged weights round once, so tokens may differ)
-    loop         ``prealloc`` with ``decode_loop=True``: the engine's own decode loop (inverse-CDF sampling,
-                 grouped-matmul decode attention); other random draws than ``generate``'s, so other tokens
+    loop         ``prealloc`` with ``decode_loop=True``: the engine's own decode loop (inverse-CDF sampling); other
+                 random draws than ``generate``'s, so other tokens
     default      ``TransformersEngine()``: the decode loop, the merged adapter, prepacked weights (the default)
     compiled     transformers' own compiled decode: ``generate(cache_implementation="static", compile_config=
                  CompileConfig(mode="default", _compile_all_devices=True))`` on the same padded B x G rows (no

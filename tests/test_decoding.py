@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from vpo_lightning.attention import vpo_attention, vpo_sdpa
+from vpo_lightning.attention import vpo_sdpa
 from vpo_lightning.decoding import (
     filter_logits,
     merged_lora,
@@ -87,19 +87,13 @@ def test_decode_attention_equals_sdpa_with_left_padding(dtype):
 
 
 def test_models_loaded_with_sdpa_run_vpo_sdpa_and_others_are_left_alone(tiny_module):
-    from vpo_lightning.attention import NAME, uses_vpo_attention
+    from vpo_lightning.attention import use_vpo_attention, uses_vpo_attention
 
     module = tiny_module()
     assert uses_vpo_attention(module.policy.get_base_model())  # vpo fit's models: SDPA plus the two shortcuts
-    eager = tiny_module(attn="eager")
-    config = eager.policy.get_base_model().config
-    with vpo_attention(eager.policy) as switched:
-        assert not switched and config._attn_implementation == "eager"
-    sdpa = torch.nn.Module()
-    sdpa.config = types.SimpleNamespace(_attn_implementation="sdpa")
-    with vpo_attention(sdpa) as switched:
-        assert switched and sdpa.config._attn_implementation == NAME
-    assert sdpa.config._attn_implementation == "sdpa"
+    eager = tiny_module(attn="eager").policy.get_base_model()
+    assert not use_vpo_attention(eager) and not uses_vpo_attention(eager)
+    assert eager.config._attn_implementation == "eager"
 
 
 def _logits(module, ids):

@@ -10,15 +10,14 @@ shape of this project's work lets it do less (issue 25).
   pairs instead of T^2 (~3x fewer for a tool-use group). The same values up to summation order, the same gradients.
 
 Everything else goes to transformers' ``sdpa_attention_forward`` unchanged. ``vpo fit`` switches a model loaded with
-SDPA to this function (:func:`use_vpo_attention`); :func:`vpo_attention` does it for the duration of a block.
+SDPA to this function (:func:`use_vpo_attention`, called by ``load_base_model``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -125,21 +124,3 @@ def use_vpo_attention(model: nn.Module) -> bool:
 def uses_vpo_attention(model: nn.Module) -> bool:
     """Whether ``model`` (or the model it wraps) runs :func:`vpo_sdpa`."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
-
-
-@contextlib.contextmanager
-def vpo_attention(model: nn.Module) -> Iterator[bool]:
-    """Within the block, a model that uses SDPA uses :func:`vpo_sdpa` (yields whether it runs it; a model on
-    another attention implementation is left as it is). For models not switched by :func:`use_vpo_attention`."""
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    switched = [c for c in configs.values() if getattr(c, "_attn_implementation", None) == "sdpa"]
-    if switched:
-        register()
-    for config in switched:
-        config._attn_implementation = NAME
-    try:
-        yield bool(switched) or any(c._attn_implementation == NAME for c in configs.values()
-                                    if hasattr(c, "_attn_implementation"))
-    finally:
-        for config in switched:
-            config._attn_implementation = "sdpa"

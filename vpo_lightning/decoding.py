@@ -129,12 +129,17 @@ def prepack_linear_weight(weight: Tensor, rows: int) -> Tensor | None:
     """``weight`` [out, in] reordered by oneDNN for products with about ``rows`` input rows (the layout
     ``torch.compile``'s CPU backend prepares when it freezes weights), or None where torch has no oneDNN or the
     weight is not a float32/bf16 CPU tensor."""
-    if weight.device.type != "cpu" or not packing_works(weight.dtype):
+    if not packable(weight):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
     except (AttributeError, RuntimeError):
         return None
+
+
+def packable(weight: Tensor) -> bool:
+    """Whether :func:`prepack_linear_weight` can pack ``weight``: a CPU tensor of a dtype :func:`packing_works` for."""
+    return weight.device.type == "cpu" and packing_works(weight.dtype)
 
 
 @functools.cache
@@ -181,10 +186,8 @@ def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | 
     try:
         with torch.no_grad():
             for mod in model.modules():
-                if type(mod) is not nn.Linear or "forward" in vars(mod) or mod in skip:
-                    continue
-                if mod.weight.device.type != "cpu" or not packing_works(mod.weight.dtype):
-                    continue
+                if type(mod) is not nn.Linear or "forward" in vars(mod) or mod in skip or not packable(mod.weight):
+                    continue  # (checked before weights[mod]() computes a merged weight that would not be packed)
                 packed = prepack_linear_weight(weights[mod]() if mod in weights else mod.weight, rows)
                 if packed is None:
                     continue
@@ -202,10 +205,7 @@ def fast_linears(model: nn.Module, rows: int, merge: bool = True, pack: bool = T
     weight prepacked (:func:`packed_linears`). With both, each merged weight is packed and dropped at once, so
     the block holds one extra copy of the weights (the packed one), not two."""
     layers = mergeable_lora_layers(model) if merge and hasattr(model, "disable_adapter") else None
-    packable = layers is not None and all(
-        layer.get_base_layer().weight.device.type == "cpu" and packing_works(layer.get_base_layer().weight.dtype)
-        for layer in layers)
-    if pack and packable:
+    if pack and layers is not None and all(packable(layer.get_base_layer().weight) for layer in layers):
         merged = {layer.get_base_layer(): functools.partial(merged_weight, layer) for layer in layers}
         adapters = {m for layer in layers for d in (layer.lora_A, layer.lora_B) for m in d.modules()}
         with packed_linears(model, rows, merged, skip=adapters), model.disable_adapter():

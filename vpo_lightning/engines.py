@@ -8,7 +8,6 @@ The vLLM path has not been run on this project's CPU machines; see the README.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import inspect
@@ -231,10 +230,10 @@ class TransformersEngine(Engine):
             ``max_new_tokens`` (``PreallocatedKVLayer``) instead of growing it by concatenation at every step; the
             same tokens, less copying.
         decode_loop: with ``share_prompt_prefix``, decode with this engine's own loop over the model's forward
-            (:mod:`vpo_lightning.decoding`: inverse-CDF sampling instead of ``torch.multinomial``; and
-            :mod:`vpo_lightning.attention`: a grouped-matmul attention for the single decode query in bf16)
-            instead of ``model.generate``. The same model, distribution and settings; other random draws for the
-            same seed; per-token log-probs reported for ``train/engine_logprob_gap``.
+            (:mod:`vpo_lightning.decoding`: inverse-CDF sampling instead of ``torch.multinomial``) instead of
+            ``model.generate``. (The single decode query's attention is :mod:`vpo_lightning.attention`'s, which
+            models loaded with SDPA use in either case.) The same model, distribution and settings; other random
+            draws for the same seed; per-token log-probs reported for ``train/engine_logprob_gap``.
         merge_lora: on CPU, run each rollout with the LoRA adapter merged into a copy of the base weights (the
             originals are put back untouched; skipped for quantized bases and DoRA, and on GPUs, where the copy
             would take GPU memory and the unmerged products cost little). One matmul per layer instead of three;
@@ -319,7 +318,6 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
                  seeds: list[int] | None = None) -> Generation:
-        from vpo_lightning.attention import vpo_attention
         from vpo_lightning.decoding import fast_linears
 
         model, tok = module.policy, module.tokenizer
@@ -328,13 +326,12 @@ class TransformersEngine(Engine):
         eos = eos_token_ids(model, tok)
         completions: list[list[int]] = []
         logprobs: list[list[float]] | None = [] if self.decode_loop and self.share_prompt_prefix else None
-        nothing = contextlib.nullcontext(False)
-        rows = len(self._calls(prompt_ids, group_size, seeds)[0][0]) * group_size  # rows of a generate call
+        calls = self._calls(prompt_ids, group_size, seeds)
+        rows = len(calls[0][0]) * group_size  # rows of a generate call
         on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
         try:
-            with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights),
-                  vpo_attention(model) if self.decode_loop else nothing):
-                for prompts, seed in self._calls(prompt_ids, group_size, seeds):
+            with fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights):
+                for prompts, seed in calls:
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:
                         torch.manual_seed(seed)

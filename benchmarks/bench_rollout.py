@@ -59,7 +59,8 @@ VARIANTS = {
     "no-share": {**GENERATE, "share_prompt_prefix": False},
     "packed": {**GENERATE, "pack_weights": True},
     "merged": {**GENERATE, "merge_lora": True},
-    "loop": {**GENERATE, "decode_loop": True},
+    "loop": {**GENERATE, "decode_loop": True, "fused_decode": False},
+    "unfused": {"fused_decode": False},
     "default": {},
     "compiled": GENERATE,
 }

@@ -153,13 +153,13 @@ def _prompts(module):
 
 
 def test_decode_loop_gives_the_reference_engines_tokens_under_greedy_decoding(tiny_module):
-    """The default engine (own decode loop, merged adapter, prepacked weights) against ``model.generate`` on the
-    unmerged policy, float32, top_k = 1: the same tokens; each option alone too."""
+    """The default engine (own decode loop through the fused decoder: merged adapter, prepacked weights) against
+    ``model.generate`` on the unmerged policy, float32, top_k = 1: the same tokens; each option alone too."""
     module = tiny_module()
     prompts, greedy = _prompts(module), SamplingSettings(top_k=1, max_new_tokens=12)
     ref = TransformersEngine(**REFERENCE).generate(module, prompts, 3, greedy)
     assert ref.engine_logprobs is None and len(set(map(tuple, ref.completion_ids))) > 1
-    for options in [{}, {"merge_lora": False, "pack_weights": False}, {"decode_loop": False},
+    for options in [{}, {"fused_decode": False}, {"merge_lora": False, "pack_weights": False}, {"decode_loop": False},
                     {"decode_loop": False, "merge_lora": False}]:
         out = TransformersEngine(**options).generate(module, prompts, 3, greedy)
         assert out.completion_ids == ref.completion_ids, options

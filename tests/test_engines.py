@@ -182,7 +182,7 @@ def test_preallocated_cache_generation_equals_concatenating_cache():
 
     module, prompts = _tiny_module_and_prompts()
     greedy = SamplingSettings(top_k=1, max_new_tokens=12)
-    engine = TransformersEngine(preallocate_cache=True)
+    engine = TransformersEngine(preallocate_cache=True, fused_decode=False)  # the model-forward path
     seen = []
     prefill = engine._prefill_once
 
@@ -193,7 +193,7 @@ def test_preallocated_cache_generation_equals_concatenating_cache():
 
     engine._prefill_once = recording_prefill
     pre = engine.generate(module, prompts, 3, greedy)
-    grown = TransformersEngine(preallocate_cache=False).generate(module, prompts, 3, greedy)
+    grown = TransformersEngine(preallocate_cache=False, fused_decode=False).generate(module, prompts, 3, greedy)
     assert seen == [{preallocated_layer_class()}]
     assert pre.completion_ids == grown.completion_ids
     assert len(pre.completion_ids) == 6 and all(pre.completion_ids)
@@ -211,7 +211,7 @@ def test_prefill_skips_the_lm_head(decode_loop):
     widths = []
     handle = head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
     try:
-        gen = TransformersEngine(share_prompt_prefix=True, decode_loop=decode_loop).generate(
+        gen = TransformersEngine(share_prompt_prefix=True, decode_loop=decode_loop, fused_decode=False).generate(
             module, prompts, 3, SamplingSettings(max_new_tokens=2, top_k=1))
     finally:
         handle.remove()

@@ -8,6 +8,7 @@ The vLLM path has not been run on this project's CPU machines; see the README.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -242,15 +243,23 @@ class TransformersEngine(Engine):
         pack_weights: on CPU, multiply with oneDNN-prepacked copies of the linear weights during each rollout
             (:func:`~vpo_lightning.decoding.packed_linears`; ~1.6x faster products at decode's 16 rows in bf16, ~2x
             in float32; float32 results differ by summation order). Costs a copy of the weights while generating.
+        fused_decode: with ``decode_loop``, on CPU, for Llama-family models (``llama``, ``mistral``, ``qwen2``):
+            prefill and decode through :class:`~vpo_lightning.fused_decode.FusedDecoder` instead of the model's
+            forward: the same arithmetic from merged (``merge_lora``), fused and prepacked (``pack_weights``)
+            weights, without transformers' per-module overhead. Another implementation of the forward, so its
+            log-probs differ from the trainer's by rounding (``train/engine_logprob_gap``). Other models, quantized
+            bases, DoRA and ``merge_lora=False`` with an adapter fall back to the model's forward.
     """
 
     def __init__(
         self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True,
         preallocate_cache: bool = True, decode_loop: bool = True, merge_lora: bool = True, pack_weights: bool = True,
+        fused_decode: bool = True,
     ) -> None:
         self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
         self.share_prompt_prefix, self.preallocate_cache = share_prompt_prefix, preallocate_cache
         self.decode_loop, self.merge_lora, self.pack_weights = decode_loop, merge_lora, pack_weights
+        self.fused_decode = fused_decode
 
     def _calls(self, prompt_ids: list[list[int]], group_size: int,
                seeds: list[int] | None) -> list[tuple[list[list[int]], int | None]]:
@@ -285,14 +294,21 @@ class TransformersEngine(Engine):
         return name, cache
 
     def _decode(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
-                sampling: SamplingSettings, eos: set[int], pad_id: int) -> tuple[list[list[int]], list[list[float]]]:
+                sampling: SamplingSettings, eos: set[int], pad_id: int,
+                fused: Any = None) -> tuple[list[list[int]], list[list[float]]]:
         """This engine's decode loop: the shared prefill, then one forward per new token for all ``b * G`` rows
-        (finished rows get ``pad_id``, as ``generate`` does), until every row has produced EOS or the budget."""
+        (finished rows get ``pad_id``, as ``generate`` does), until every row has produced EOS or the budget.
+        With ``fused`` (a :class:`~vpo_lightning.fused_decode.FusedDecoder`) the prefill and each step run through
+        it instead of the model's forward."""
         from vpo_lightning.decoding import sample_next
 
-        name, cache = self._prefill_once(model, ids, mask, group_size, sampling.max_new_tokens)
+        budget = sampling.max_new_tokens
+        if fused is not None:
+            fused.prefill(ids, mask, group_size, budget)
+        else:
+            name, cache = self._prefill_once(model, ids, mask, group_size, budget)
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # [n, P]
-        (n, width), budget = ids.shape, sampling.max_new_tokens
+        n, width = ids.shape
         full_mask = torch.cat([mask, mask.new_ones(n, budget)], 1)  # [n, P + L]
         position = mask.sum(1, keepdim=True) - 1  # [n, 1] the last prompt token's position, as prefilled
         token = ids[:, -1:]  # [n, 1]
@@ -303,9 +319,12 @@ class TransformersEngine(Engine):
         extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         steps = 0
         for t in range(budget):
-            out = model(input_ids=token, attention_mask=full_mask[:, : width + t], position_ids=position + t,
-                        use_cache=True, **{name: cache}, **extra)
-            nxt, lp = sample_next(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+            if fused is not None:
+                logits = fused.step(token[:, 0], t)  # [n, V]
+            else:
+                logits = model(input_ids=token, attention_mask=full_mask[:, : width + t], position_ids=position + t,
+                               use_cache=True, **{name: cache}, **extra).logits[:, -1]
+            nxt, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             nxt = nxt.masked_fill(done, pad_id)  # [n]
             tokens[:, t], logprobs[:, t], steps = nxt, lp, t + 1
             done |= torch.isin(nxt, stops)
@@ -329,14 +348,21 @@ class TransformersEngine(Engine):
         calls = self._calls(prompt_ids, group_size, seeds)
         rows = len(calls[0][0]) * group_size  # rows of a generate call
         on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
+        fused = None
+        if self.fused_decode and logprobs is not None and on_cpu:
+            from vpo_lightning.fused_decode import FusedDecoder
+
+            fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
+        linears = fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights)
         try:
-            with fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights):
+            with contextlib.nullcontext() if fused is not None else linears:
                 for prompts, seed in calls:
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:
                         torch.manual_seed(seed)
                     if logprobs is not None and ids.shape[1] > 1:
-                        chains, lps = self._decode(model, ids, mask, group_size, sampling, eos, tok.pad_token_id)
+                        chains, lps = self._decode(model, ids, mask, group_size, sampling, eos, tok.pad_token_id,
+                                                   fused)
                         completions, logprobs = completions + chains, logprobs + lps
                         continue
                     completions += self._generate_call(model, tok, ids, mask, group_size, sampling, eos)

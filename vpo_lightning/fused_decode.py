@@ -10,16 +10,19 @@ it, and builds those weights once per rollout:
 - the query, key and value projections as one product, the gate and up projections as one (4 products per layer
   instead of 7: fewer, wider products), each weight prepacked by oneDNN for the decode's row count where torch can
   (:func:`vpo_lightning.decoding.prepack_linear_weight`);
+- the residual sums fused into the output and down products (oneDNN post-ops);
 - the prompt's keys and values kept once per prompt, not once per chain: the G chains of a group attend to the
   same prompt cache, so a decode step's attention over the prompt is one product per prompt and kv head for all
-  G x heads/kv_heads queries (the prompt cache is read once instead of G times; cascade attention), plus one small
-  product per chain over its own tokens, joined by one float32 softmax;
+  G x heads/kv_heads queries (the prompt cache is read once instead of G times, as in cascade attention), plus one
+  small product per chain over its own ``budget`` slots (the unwritten ones masked, so every step has the same
+  shapes), joined by one float32 softmax;
 - RMSNorm, rotary embeddings (the model's own rotary module computes cos/sin, so every RoPE scaling type it knows
   applies) and SiLU as transformers' Llama code computes them, in the same dtypes; the prefill's attention through
   SDPA.
 
-Measured (``benchmarks/bench_rollout.py``, SmolLM2-135M, B = 2, G = 8, 2-core AVX-512 CPU, bf16): a decode step
-~65 -> ~38 ms; the merged, fused products are now ~18 ms of it.
+Measured (2-core AVX-512 CPU, bf16, SmolLM2-135M, 16 rows, ~360 prompt tokens): a decode step ~65 ms -> ~36 ms, of
+which the products of the linear layers are ~18 ms (~12 ms at one row: reading the weights), the attention products
+~7 ms, and the rest small operations and Python.
 
 It is a second implementation of the model's forward, so its log-probs differ from the trainer's by rounding (the
 engine reports them: ``train/engine_logprob_gap``); tests check its logits against the model's own forward and its
@@ -44,7 +47,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class FusedLinear:
     """``x @ weight.T + bias`` with ``weight`` prepacked by oneDNN where torch can (CPU, float32/bf16), plain
-    ``F.linear`` otherwise. Holds only the packed copy when packing works."""
+    ``F.linear`` otherwise; holds only the packed copy when packing works. :meth:`silu`, :meth:`mul` and
+    :meth:`add` apply an activation or an elementwise product/sum with another tensor to the output, fused into
+    the packed product (oneDNN post-ops: one pass over the output instead of two, applied before the final
+    rounding to the output dtype)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int, pack: bool = True) -> None:
         self.bias = None if bias is None else bias.detach()
@@ -55,6 +61,24 @@ class FusedLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def silu(self, x: Tensor) -> Tensor:
+        """``silu(x @ W.T + b)``."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def mul(self, x: Tensor, other: Tensor) -> Tensor:
+        """``(x @ W.T + b) * other``."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias) * other
+
+    def add(self, x: Tensor, other: Tensor) -> Tensor:
+        """``(x @ W.T + b) + other`` (a residual connection)."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + other
 
 
 @dataclass
@@ -177,7 +201,8 @@ class FusedDecoder:
         return cls(base, layers, head)
 
     def _rms(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """transformers' Llama RMSNorm: normalised in float32, rounded to the input dtype, then scaled."""
+        """transformers' Llama RMSNorm: normalised in float32, rounded to the input dtype, then scaled (torch's
+        one-call ``rms_norm(x, weight)`` rounds once instead of twice in bf16; it was not measurably faster here)."""
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
     def _rope(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,9 +216,11 @@ class FusedDecoder:
         return cos.unsqueeze(-2), sin.unsqueeze(-2)  # [b, q, 1, head_dim]
 
     def _mlp(self, x: Tensor, layer: FusedLayer, eps: float) -> Tensor:
-        gate_up = layer.gate_up(self._rms(x, layer.norm_post, eps))  # [..., 2 I]
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        """``x + down(silu(gate(h)) * up(h))``, ``h = norm(x)``: gate and up as one product, the residual sum fused
+        into the down product. (Separate gate and up products with SiLU and the product fused into them were
+        slower: two 16-row products cost more than one twice as wide.)"""
+        gate, up = layer.gate_up(self._rms(x, layer.norm_post, eps)).split(self.inter, dim=-1)  # [..., I] each
+        return layer.down.add(F.silu(gate) * up, x)
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor, mask: Tensor, group_size: int, budget: int) -> None:
@@ -210,11 +237,11 @@ class FusedDecoder:
         rows = b * nkv * group_size  # a chain's own cache, batch order (prompt, kv head, chain)
         self.own = [(self.embed.new_zeros(rows, budget, hd), self.embed.new_zeros(rows, budget, hd))
                     for _ in self.layers]
-        # additive mask over [prompt | own tokens]: the prompt's left padding is -inf, [b * nkv, 1, q_len + budget]
-        pad = torch.cat([~mask[:, :-1].bool(), mask.new_zeros(b, budget, dtype=torch.bool)], 1)  # [b, q + L]
-        self.mask = torch.zeros(b * nkv, 1, q_len + budget).masked_fill_(pad.repeat_interleave(nkv, 0)[:, None],
-                                                                         -math.inf)
-        self.scores = torch.empty(b * nkv, group_size * (nh // nkv), q_len + budget)  # float32, reused per step
+        # additive mask over [prompt | own tokens], [b * nkv, 1, 1, q + budget]: the prompt's left padding and the
+        # own slots not written yet are -inf (step t opens slot q + t)
+        pad = torch.cat([~mask[:, :-1].bool(), mask.new_ones(b, budget, dtype=torch.bool)], 1)  # [b, q + L]
+        self.mask = torch.zeros(b * nkv, 1, 1, q_len + budget).masked_fill_(
+            pad.repeat_interleave(nkv, 0)[:, None, None], -math.inf)
         self.positions = mask.sum(1).repeat_interleave(group_size) - 1  # [n] the last prompt token's position
         self.prompt = []
         positions = (mask.cumsum(1) - 1).clamp(min=0)[:, :-1]  # [b, q] as generate() derives them
@@ -233,35 +260,37 @@ class FusedDecoder:
             self.prompt.append((k.reshape(b * nkv, q_len, hd), v.reshape(b * nkv, q_len, hd)))  # contiguous copies
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scale,
                                                enable_gqa=nh != nkv)  # [b, nh, q, hd]
-            x = x + layer.out(o.transpose(1, 2).flatten(2))
+            x = layer.out.add(o.transpose(1, 2).flatten(2), x)
             x = self._mlp(x, layer, eps_post)
 
     def _attend(self, qk: Tensor, v: Tensor, t: int, layer: int) -> Tensor:
-        """One decode query per chain against [its prompt's cache | its own tokens so far], with the chain's new
-        key and value (step ``t``) written first. The prompt part is one product per prompt and kv head for all
+        """One decode query per chain against [its prompt's cache | its own tokens], with the chain's new key and
+        value (step ``t``) written first. The prompt part is one product per prompt and kv head for all
         ``G x groups`` queries that share it (the prompt's keys are read once, not G times: the chains of a group
-        share their prompt); the own part one small product per chain. One float32 softmax over both parts.
+        share their prompt); the own part one small product per chain over all ``budget`` own slots, the ones not
+        written yet masked (every step has the same shapes: no strided copies of a growing cache, and oneDNN
+        reuses its kernels). One float32 softmax over both parts.
 
         Args:
             qk: [n, heads + kv_heads, hd] rotated queries and keys; v: [n, kv_heads, hd]. Returns [n, heads * hd].
         """
         b, G, q_len = self.b, self.group_size, self.q_len
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        g, span = nh // nkv, q_len + t + 1
-        own_k, own_v = self.own[layer]  # [b * nkv * G, budget, hd]
-        own_k.view(b, nkv, G, -1, hd)[:, :, :, t] = qk[:, nh:].view(b, G, nkv, hd).transpose(1, 2)
-        own_v.view(b, nkv, G, -1, hd)[:, :, :, t] = v.view(b, G, nkv, hd).transpose(1, 2)
+        g = nh // nkv
+        own_k, own_v = self.own[layer]  # [b * nkv * G, budget, hd], zeros where not written
+        budget = own_k.shape[1]
+        own_k.view(b, nkv, G, budget, hd)[:, :, :, t] = qk[:, nh:].view(b, G, nkv, hd).transpose(1, 2)
+        own_v.view(b, nkv, G, budget, hd)[:, :, :, t] = v.view(b, G, nkv, hd).transpose(1, 2)
         q = qk[:, :nh].reshape(b, G, nkv, g, hd).transpose(1, 2).contiguous()  # [b, nkv, G, g, hd]
         prompt_k, prompt_v = self.prompt[layer]  # [b * nkv, q_len, hd]
-        scores = self.scores[..., :span]  # [b * nkv, G * g, span] float32
-        # k @ q^T rather than q @ k^T: torch's CPU bf16 matmul copies a transposed strided key first
-        scores[..., :q_len].copy_(torch.bmm(prompt_k, q.view(b * nkv, G * g, hd).transpose(1, 2)).transpose(1, 2))
-        own = torch.bmm(own_k[:, : t + 1], q.view(b * nkv * G, g, hd).transpose(1, 2))  # [b * nkv * G, t + 1, g]
-        scores[..., q_len:].view(b * nkv * G, g, t + 1).copy_(own.transpose(1, 2))
-        weights = scores.mul_(self.scale).add_(self.mask[..., :span]).softmax(-1).to(v.dtype)  # [b nkv, G g, span]
-        out = torch.bmm(weights[..., :q_len], prompt_v).view(b, nkv, G, g, hd)
-        out = out + torch.bmm(weights[..., q_len:].reshape(b * nkv * G, g, t + 1), own_v[:, : t + 1]).view(
-            b, nkv, G, g, hd)
+        prompt = torch.bmm(q.view(b * nkv, G * g, hd), prompt_k.transpose(1, 2))  # [b * nkv, G * g, q_len]
+        own = torch.bmm(q.view(b * nkv * G, g, hd), own_k.transpose(1, 2))  # [b * nkv * G, g, budget]
+        scores = torch.cat([prompt.view(b * nkv, G, g, q_len), own.view(b * nkv, G, g, budget)], -1)
+        # mask + scale * scores in float32 (one pass; the mask is 0 or -inf), softmax in float32
+        weights = torch.add(self.mask, scores, alpha=self.scale).softmax(-1).to(v.dtype)  # [b nkv, G, g, q + L]
+        out = torch.bmm(weights[..., :q_len].view(b * nkv, G * g, q_len), prompt_v)  # [b * nkv, G * g, hd]
+        out = torch.baddbmm(out.view(b * nkv * G, g, hd), weights[..., q_len:].view(b * nkv * G, g, budget),
+                            own_v).view(b, nkv, G, g, hd)
         return out.transpose(1, 2).reshape(b * G, nh * hd)  # [n, heads * hd], chain-major
 
     @torch.inference_mode()
@@ -273,10 +302,11 @@ class FusedDecoder:
         x = self.embed[tokens]  # [n, H]
         cos, sin = self._rope(x[:, None], (self.positions + t)[:, None])  # [n, 1, 1, hd]
         cos, sin = cos[:, 0], sin[:, 0]  # [n, 1, hd]
+        self.mask[..., self.q_len + t] = 0.0  # this step's own slot
         for i, (layer, (eps_in, eps_post)) in enumerate(zip(self.layers, self.layer_eps)):
             qkv = layer.qkv(self._rms(x, layer.norm_in, eps_in))  # [n, (nh + 2 nkv) hd]
             qk = qkv[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
             qk = qk * cos + qk.roll(hd // 2, -1) * sin  # [n, nh + nkv, hd]
-            x = x + layer.out(self._attend(qk, qkv[:, (nh + nkv) * hd :].view(n, nkv, hd), t, i))
+            x = layer.out.add(self._attend(qk, qkv[:, (nh + nkv) * hd :].view(n, nkv, hd), t, i), x)
             x = self._mlp(x, layer, eps_post)
         return self.head(self._rms(x, self.norm, self.eps))  # [n, V]

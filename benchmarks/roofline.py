@@ -20,8 +20,10 @@ r = 16 on 4.9M parameters, is left out of the bound: an ideal engine merges it):
   ``F = B * (2 * N_lin * P + 2 * l * H * d * P**2)`` flops (the attention term: QK^T and AV over P**2 / 2 pairs,
   2 flops each), bound ``F / matmul_peak``.
 - decode step t = 1..L over all R rows (the cache holds P + t tokens): flops
-  ``R * (2 * (N_lin + N_head) + 4 * l * H * d * (P + t))``, bytes ``(N_lin + N_head) * s + R * (P + t) * 2 * l * K
-  * d * s`` (the weights once, then each row's K and V cache); the step's bound is ``max(bytes / bandwidth, flops /
+  ``R * (2 * (N_lin + N_head) + 4 * l * H * d * (P + t))``, bytes ``(N_lin + N_head) * s + (B * P + R * t) * 2 * l *
+  K * d * s`` (the weights once, each prompt's K and V cache once: its G chains share it, and each row's own t
+  tokens; before issue 25's third pass, whose engine reads a prompt's cache once for its G chains, the bound
+  charged ``R * (P + t)`` cache tokens per step, a looser bound); the step's bound is ``max(bytes / bandwidth, flops /
   matmul_peak)``: below R ~ peak * s / (2 * bandwidth) rows a decode step is limited by memory, above by compute.
 - rollout bound = prefill + sum of decode steps; ``rollout fraction = bound / measured time in generate``.
 - training: one packed row per group (the prompt once, then its G completions, C completion tokens in all), each
@@ -154,7 +156,8 @@ def rollout_bound_s(shape: Shape, prompts: int, group: int, prompt_len: float, l
     for t in range(1, longest + 1):
         context = prompt_len + t
         flops = rows * (2 * weights + pair * context)
-        nbytes = weights * bytes_per + rows * context * kv_per_token
+        # the prompt's cache once per prompt (its G chains share it), each row's own tokens once per row
+        nbytes = weights * bytes_per + (prompts * prompt_len + rows * t) * kv_per_token
         decode += max(nbytes / bandwidth, flops / peak)
     return prefill + decode
 

@@ -6,8 +6,10 @@ reports each token's log-prob, and the trainer scores the same chains the way a 
 ``train/engine_logprob_gap`` logs. The adapter gets small random B matrices (a fresh LoRA adapter has B = 0, which
 would hide what merging does).
 
-Variants: ``default`` (decode loop, merged and prepacked adapter, grouped-matmul decode attention in bf16),
-``sdpa-decode`` (the same with SDPA for the decode query), ``unmerged`` (decode loop only: no merge, no packing).
+Variants: ``default`` (the fused decoder: merged, fused and prepacked weights, the prompt cache shared by a group's
+chains), ``unfused`` (decode loop through the model's forward, merged and prepacked adapter, grouped-matmul decode
+attention in bf16), ``sdpa-decode`` (``unfused`` with SDPA for the decode query), ``unmerged`` (decode loop through
+the model's forward only: no merge, no packing).
 
     .venv/bin/python benchmarks/engine_gap.py --dtype bf16
 """
@@ -83,14 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(next(module.policy.parameters()).dtype).removeprefix("torch.")
     print(f"| {args.model}, {dtype}, B={len(prompts)} G={G}, {args.max_new_tokens} new tokens | mean gap | max gap | "
           "tokens |\n|---|---|---|---|")
-    rows = {"default": TransformersEngine(), "unmerged": TransformersEngine(merge_lora=False, pack_weights=False)}
+    rows = {"default": TransformersEngine(), "unfused": TransformersEngine(fused_decode=False),
+            "unmerged": TransformersEngine(merge_lora=False, pack_weights=False)}
     for name, engine in rows.items():
         mean, worst, count = gap(engine)
         print(f"| {name} | {mean:.2e} | {worst:.2e} | {count} |")
     keep = attention.decode_attention
     attention.decode_attention = sdpa_decode
     try:
-        mean, worst, count = gap(TransformersEngine())
+        mean, worst, count = gap(TransformersEngine(fused_decode=False))  # the fused decoder has its own attention
     finally:
         attention.decode_attention = keep
     print(f"| sdpa-decode | {mean:.2e} | {worst:.2e} | {count} |")

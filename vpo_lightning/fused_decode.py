@@ -47,10 +47,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class FusedLinear:
     """``x @ weight.T + bias`` with ``weight`` prepacked by oneDNN where torch can (CPU, float32/bf16), plain
-    ``F.linear`` otherwise; holds only the packed copy when packing works. :meth:`silu`, :meth:`mul` and
-    :meth:`add` apply an activation or an elementwise product/sum with another tensor to the output, fused into
-    the packed product (oneDNN post-ops: one pass over the output instead of two, applied before the final
-    rounding to the output dtype)."""
+    ``F.linear`` otherwise; holds only the packed copy when packing works. :meth:`add` adds another tensor to the
+    output inside the packed product (a oneDNN post-op: one pass over the output instead of two, applied before
+    the final rounding to the output dtype)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int, pack: bool = True) -> None:
         self.bias = None if bias is None else bias.detach()
@@ -61,18 +60,6 @@ class FusedLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def silu(self, x: Tensor) -> Tensor:
-        """``silu(x @ W.T + b)``."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.weight, self.bias))
-
-    def mul(self, x: Tensor, other: Tensor) -> Tensor:
-        """``(x @ W.T + b) * other``."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias) * other
 
     def add(self, x: Tensor, other: Tensor) -> Tensor:
         """``(x @ W.T + b) + other`` (a residual connection)."""

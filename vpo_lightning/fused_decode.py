@@ -219,7 +219,7 @@ class FusedDecoder:
             ids, mask: [b, P] left-padded prompts and their attention mask.
         """
         b, width = ids.shape
-        q_len, nh, nkv, hd = width - 1, self.heads, self.kv_heads, self.head_dim
+        q_len, nkv, hd = width - 1, self.kv_heads, self.head_dim
         self.b, self.group_size, self.q_len = b, group_size, q_len
         rows = b * nkv * group_size  # a chain's own cache, batch order (prompt, kv head, chain)
         self.own = [(self.embed.new_zeros(rows, budget, hd), self.embed.new_zeros(rows, budget, hd))
@@ -230,23 +230,30 @@ class FusedDecoder:
         self.mask = torch.zeros(b * nkv, 1, 1, q_len + budget).masked_fill_(
             pad.repeat_interleave(nkv, 0)[:, None, None], -math.inf)
         self.positions = mask.sum(1).repeat_interleave(group_size) - 1  # [n] the last prompt token's position
-        self.prompt = []
-        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, :-1]  # [b, q] as generate() derives them
-        keys = mask[:, :-1].bool()  # [b, q]
-        causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()  # [q, q]
-        # a padded query attends to itself only, so that no row of the mask is empty (SDPA would give NaN)
-        allowed = (causal & keys[:, None, :]) | torch.eye(q_len, dtype=torch.bool)  # [b, q, q]
-        x = self.embed[ids[:, :-1]]  # [b, q, H]
-        cos, sin = self._rope(x, positions)  # [b, q, 1, hd]
-        for layer, (eps_in, eps_post) in zip(self.layers, self.layer_eps):
-            qkv = layer.qkv(self._rms(x, layer.norm_in, eps_in))  # [b, q, (nh + 2 nkv) hd]
-            qk = qkv[..., : (nh + nkv) * hd].unflatten(-1, (nh + nkv, hd))  # [b, q, nh + nkv, hd]
+        # each prompt's keys and values at its slots in [b * nkv, q_len, hd]; left-padding slots stay zero (masked)
+        self.prompt = [(self.embed.new_zeros(b * nkv, q_len, hd), self.embed.new_zeros(b * nkv, q_len, hd))
+                       for _ in self.layers]
+        pads = (~mask.bool()).sum(1).tolist()  # left padding per prompt
+        for i, first in enumerate(pads):  # one prompt at a time, unpadded: plain causal attention, no mask
+            if first < q_len:
+                self._prefill_prompt(ids[i : i + 1, first:-1], slice(i * nkv, (i + 1) * nkv), first)
+
+    def _prefill_prompt(self, ids: Tensor, rows: slice, first: int) -> None:
+        """The prompt ``ids`` [1, q] (unpadded, all but its last token) through every layer, its keys and values
+        written to ``rows`` of the prompt cache from slot ``first``."""
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        x = self.embed[ids]  # [1, q, H]
+        cos, sin = self._rope(x, torch.arange(ids.shape[1])[None])  # [1, q, 1, hd]: positions 0..q-1
+        for layer, (eps_in, eps_post), (prompt_k, prompt_v) in zip(self.layers, self.layer_eps, self.prompt):
+            qkv = layer.qkv(self._rms(x, layer.norm_in, eps_in))  # [1, q, (nh + 2 nkv) hd]
+            qk = qkv[..., : (nh + nkv) * hd].unflatten(-1, (nh + nkv, hd))  # [1, q, nh + nkv, hd]
             qk = qk * cos + qk.roll(hd // 2, -1) * sin
-            v = qkv[..., (nh + nkv) * hd :].unflatten(-1, (nkv, hd)).transpose(1, 2)  # [b, nkv, q, hd]
-            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # [b, nh, q, hd], [b, nkv, q, hd]
-            self.prompt.append((k.reshape(b * nkv, q_len, hd), v.reshape(b * nkv, q_len, hd)))  # contiguous copies
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scale,
-                                               enable_gqa=nh != nkv)  # [b, nh, q, hd]
+            v = qkv[..., (nh + nkv) * hd :].unflatten(-1, (nkv, hd)).transpose(1, 2)  # [1, nkv, q, hd]
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)  # [1, nh, q, hd], [1, nkv, q, hd]
+            prompt_k[rows, first:] = k[0]
+            prompt_v[rows, first:] = v[0]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=nh != nkv)  # [1, nh, q, hd]
             x = layer.out.add(o.transpose(1, 2).flatten(2), x)
             x = self._mlp(x, layer, eps_post)
 

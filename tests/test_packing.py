@@ -119,9 +119,12 @@ def test_packed_gradients_equal_plain(checkpointing, attn):
         torch.testing.assert_close(packed[name], plain[name], rtol=1e-4, atol=1e-6)
 
 
-def test_segment_attention_equals_sdpa_under_the_block_mask():
-    """The prompt once, then each completion against [prompt | itself]: SDPA's values under the packed row's
-    [T, T] mask (grouped heads, an empty completion included), and the same gradients."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_attention_equals_sdpa_under_the_block_mask(dtype):
+    """The prompt once, then the completions against [prompt | themselves] (on CPU: ChainAttention, the prompt part
+    for all completions in one call, merged with each completion's causal part): SDPA's values under the packed
+    row's [T, T] mask (grouped heads, an empty completion included), and the same gradients; in bf16 up to bf16
+    rounding."""
     import types
 
     from vpo_lightning.attention import vpo_sdpa
@@ -130,14 +133,16 @@ def test_segment_attention_equals_sdpa_under_the_block_mask():
     g = torch.Generator().manual_seed(0)
     p, lengths = 5, [4, 0, 3, 1]
     T = p + sum(lengths)
-    q = torch.randn(1, 6, T, 8, generator=g, requires_grad=True)  # [1, heads, T, d]
-    k, v = (torch.randn(1, 2, T, 8, generator=g, requires_grad=True) for _ in range(2))  # [1, kv_heads, T, d]
+    q = torch.randn(1, 6, T, 8, generator=g).to(dtype).requires_grad_()  # [1, heads, T, d]
+    k, v = (torch.randn(1, 2, T, 8, generator=g).to(dtype).requires_grad_() for _ in range(2))  # [1, kv_heads, T, d]
     layer = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
     mask = packed_attention_mask(p, lengths, torch.bool)  # [1, 1, T, T]
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     out, _ = vpo_sdpa(layer, q, k, v, mask, vpo_segments=(p, lengths))
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    grads = torch.autograd.grad((out * torch.arange(out.numel()).reshape(out.shape)).sum(), (q, k, v))
-    refs = torch.autograd.grad((ref * torch.arange(ref.numel()).reshape(ref.shape)).sum(), (q, k, v))
+    exact = dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-6 if exact else 2e-2, atol=1e-6 if exact else 2e-2)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
+    grads = torch.autograd.grad((out * weights).float().sum(), (q, k, v))
+    refs = torch.autograd.grad((ref * weights).float().sum(), (q, k, v))
     for a, b in zip(grads, refs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5 if exact else 3e-2, atol=1e-5 if exact else 3e-2)

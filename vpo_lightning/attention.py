@@ -56,6 +56,62 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: 
     return out.reshape(b, 1, heads, d)
 
 
+class ChainAttention(torch.autograd.Function):
+    """The completions of a packed row against ``[prompt | themselves]`` on CPU, as two flash-attention calls per
+    row instead of one masked call per completion: every completion query against the prompt's keys in one call
+    (no mask; the prompt's keys are read once for all completions), each completion causally against its own keys,
+    then the two partial results merged by their log-sum-exps (float32). The backward calls the flash backward of
+    each part with the merged output and log-sum-exp, which gives each part's exact share of the gradient (the
+    split-KV scheme of FlashAttention). Measured on a 2-core AVX-512 CPU, 8 completions of 120 tokens after a
+    480-token prompt, 9 query / 3 kv heads: forward + backward 69.7 -> 50.9 ms in bf16, 54.0 -> 44.5 ms in float32
+    per layer (without the merge).
+
+    ``forward(q [1, H, C, d], prompt_k, prompt_v [1, K, p, d], own_k, own_v [1, K, C, d], lengths, scale)`` with
+    ``C = sum(lengths)``; returns [1, H, C, d].
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, prompt_k: Tensor, prompt_v: Tensor, own_k: Tensor, own_v: Tensor,
+                lengths: tuple[int, ...], scale: float | None) -> Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_p, lse_p = flash(q, prompt_k, prompt_v, 0.0, False, scale=scale)  # [1, H, C, d], [1, H, C] float32
+        out_o, lse_o = torch.empty_like(out_p), torch.empty_like(lse_p)
+        for s, n in _spans(lengths):
+            out_o[:, :, s : s + n], lse_o[:, :, s : s + n] = flash(q[:, :, s : s + n], own_k[:, :, s : s + n],
+                                                                   own_v[:, :, s : s + n], 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_p, lse_o)  # [1, H, C]
+        out = (out_p.float() * (lse_p - lse).exp().unsqueeze(-1)
+               + out_o.float() * (lse_o - lse).exp().unsqueeze(-1)).to(q.dtype)  # [1, H, C, d]
+        ctx.save_for_backward(q, prompt_k, prompt_v, own_k, own_v, out, lse)
+        ctx.lengths, ctx.scale = lengths, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, prompt_k, prompt_v, own_k, own_v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk_p, dv_p = backward(grad, q, prompt_k, prompt_v, out, lse, 0.0, False, scale=ctx.scale)
+        dk_o, dv_o = torch.zeros_like(own_k), torch.zeros_like(own_v)
+        for s, n in _spans(ctx.lengths):
+            part = slice(s, s + n)
+            dq_o, dk_o[:, :, part], dv_o[:, :, part] = backward(
+                grad[:, :, part], q[:, :, part], own_k[:, :, part], own_v[:, :, part], out[:, :, part],
+                lse[:, :, part], 0.0, True, scale=ctx.scale)
+            dq[:, :, part] += dq_o
+        return dq, dk_p, dv_p, dk_o, dv_o, None, None
+
+
+def _spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each non-empty completion within the completions' part of a packed row."""
+    spans, start = [], 0
+    for n in lengths:
+        if n:
+            spans.append((start, n))
+        start += n
+    return spans
+
+
 def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, prompt_length: int,
                       lengths: Sequence[int], scaling: float | None = None) -> Tensor:
     """Attention of one packed row ``[prompt | completion_1 | ... | completion_n]``: the prompt causal over itself,
@@ -68,6 +124,10 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     """
     p = prompt_length
     outs = [_sdpa(module, query[:, :, :p], key[:, :, :p], value[:, :, :p], None, scaling=scaling, is_causal=True)[0]]
+    if query.device.type == "cpu" and p > 0 and sum(lengths) > 0:  # the completions: ChainAttention
+        chains = ChainAttention.apply(query[:, :, p:], key[:, :, :p], value[:, :, :p], key[:, :, p:], value[:, :, p:],
+                                      tuple(lengths), scaling)  # [1, H, C, d]
+        return torch.cat([outs[0], chains.transpose(1, 2)], 1)  # [1, T, heads, d]
     start = p
     for n in lengths:
         if n == 0:

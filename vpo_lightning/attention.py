@@ -7,7 +7,9 @@ shape of this project's work lets it do less (issue 25).
   ``[prompt (p) | completion_1 | ... | completion_n]`` where each completion sees the prompt and its own prefix
   (``vpo_lightning.packing``). SDPA with the [T, T] block mask computes every pair of the row; here the prompt
   attends causally to itself once and each completion to ``[prompt | itself]``: p^2 / 2 + sum_i l_i (p + l_i)
-  pairs instead of T^2 (~3x fewer for a tool-use group). The same values up to summation order, the same gradients.
+  pairs instead of T^2 (~3x fewer for a tool-use group). On CPU the completions' part is :class:`ChainAttention`
+  (the prompt's keys in one flash call for all completions, merged with each completion's causal part). The same
+  values up to summation order, the same gradients.
 
 Everything else goes to transformers' ``sdpa_attention_forward`` unchanged. ``vpo fit`` switches a model loaded with
 SDPA to this function (:func:`use_vpo_attention`, called by ``load_base_model``).

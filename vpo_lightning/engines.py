@@ -348,13 +348,13 @@ class TransformersEngine(Engine):
         calls = self._calls(prompt_ids, group_size, seeds)
         rows = len(calls[0][0]) * group_size  # rows of a generate call
         on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
-        fused = None
-        if self.fused_decode and logprobs is not None and on_cpu:
-            from vpo_lightning.fused_decode import FusedDecoder
-
-            fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
-        linears = fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights)
         try:
+            fused = None
+            if self.fused_decode and logprobs is not None and on_cpu:
+                from vpo_lightning.fused_decode import FusedDecoder
+
+                fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
+            linears = fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights)
             with contextlib.nullcontext() if fused is not None else linears:
                 for prompts, seed in calls:
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]

@@ -21,9 +21,12 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
     packed       ``prealloc`` with ``pack_weights=True``: oneDNN-prepacked linear weights for the call
     merged       ``prealloc`` with ``merge_lora=True``: the adapter merged into a copy of the base weights for the
                  call (one matmul per layer; the merged weights round once, so tokens may differ)
-    loop         ``prealloc`` with ``decode_loop=True``: the engine's own decode loop (inverse-CDF sampling); other
-                 random draws than ``generate``'s, so other tokens
-    default      ``TransformersEngine()``: the decode loop, the merged adapter, prepacked weights (the default)
+    loop         ``prealloc`` with ``decode_loop=True`` (through the model's forward): the engine's own decode loop
+                 (inverse-CDF sampling); other random draws than ``generate``'s, so other tokens
+    unfused      ``TransformersEngine(fused_decode=False)``: the decode loop through the model's forward with the merged
+                 adapter and prepacked weights (the default of issue 25's second pass)
+    default      ``TransformersEngine()``: the decode loop through the fused decoder (merged, fused and prepacked
+                 weights, one prompt cache per group; ``vpo_lightning/fused_decode.py``), the default
     compiled     transformers' own compiled decode: ``generate(cache_implementation="static", compile_config=
                  CompileConfig(mode="default", _compile_all_devices=True))`` on the same padded B x G rows (no
                  shared prefill: a static cache is filled by ``generate``'s own prefill); ``torch.compile``
@@ -33,6 +36,7 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
 
     .venv/bin/python benchmarks/bench_rollout.py           # before vs default: B=2, G=8, 128 tokens, 2 rounds
     .venv/bin/python benchmarks/bench_rollout.py --variants before,prealloc,packed,merged,loop,default --rounds 3
+    .venv/bin/python benchmarks/bench_rollout.py --variants before,unfused,default --rounds 2 --warmup 1 --dtype bf16
 """
 
 from __future__ import annotations

@@ -77,13 +77,17 @@ def mergeable_lora_layers(model: nn.Module) -> list[Any] | None:
     except ImportError:
         return None
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    for layer in layers:
-        base = layer.get_base_layer()
-        if type(base) is not nn.Linear or not base.weight.dtype.is_floating_point:
-            return None
-        if any(layer.use_dora.get(a, False) for a in layer.active_adapters):
-            return None
+    if not all(mergeable_layer(layer) for layer in layers):
+        return None
     return layers or None
+
+
+def mergeable_layer(layer: Any) -> bool:
+    """Whether a PEFT LoRA layer's active adapters merge exactly into its base: a plain float ``nn.Linear``, no DoRA."""
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear or not base.weight.dtype.is_floating_point:
+        return False
+    return not any(layer.use_dora.get(a, False) for a in layer.active_adapters)
 
 
 def merged_weight(layer: Any) -> Tensor:

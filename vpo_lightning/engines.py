@@ -354,8 +354,8 @@ class TransformersEngine(Engine):
                 from vpo_lightning.fused_decode import FusedDecoder
 
                 fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
-            linears = fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights)
-            with contextlib.nullcontext() if fused is not None else linears:
+            with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights) if fused is None
+                  else contextlib.nullcontext()):
                 for prompts, seed in calls:
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vpo_lightning.decoding import merged_weight, packable, prepack_linear_weight
+from vpo_lightning.decoding import mergeable_layer, merged_weight, packable, prepack_linear_weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -88,15 +88,10 @@ def _weight_and_bias(module: nn.Module, merge: bool) -> tuple[Tensor, Tensor | N
     except ImportError:  # pragma: no cover - peft is a dependency
         LoraLayer = ()  # noqa: N806
     if isinstance(module, LoraLayer):
-        base = module.get_base_layer()
-        if type(base) is not nn.Linear or not base.weight.dtype.is_floating_point:
-            return None
         active = [a for a in module.active_adapters if a in module.lora_A] if not module.disable_adapters else []
-        if any(module.use_dora.get(a, False) for a in active):
-            return None
-        if active and not merge:
-            return None
-        return (merged_weight(module) if active else base.weight.detach()), base.bias
+        if not active:  # the adapter is off: the base layer as it is
+            return _weight_and_bias(module.get_base_layer(), merge)
+        return (merged_weight(module), module.get_base_layer().bias) if merge and mergeable_layer(module) else None
     if type(module) is nn.Linear and module.weight.dtype.is_floating_point:
         return module.weight.detach(), module.bias
     return None
@@ -159,8 +154,6 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.inter = cfg.intermediate_size
-        self.dtype = self.embed.dtype
-        self.cache: list[tuple[Tensor, Tensor]] = []
 
     @classmethod
     def build(cls, model: nn.Module, rows: int, merge: bool = True, pack: bool = True) -> FusedDecoder | None:

@@ -144,22 +144,28 @@ class Shape:
         return cls(layers, heads, kv, hd, layers * per_layer, cfg.vocab_size * hidden)
 
 
+def decode_step_bound_s(shape: Shape, prompts: int, group: int, prompt_len: float, t: float, bytes_per: int,
+                        bandwidth: float, peak: float) -> float:
+    """Seconds the hardware needs for decode step ``t`` over ``prompts * group`` rows (module docstring): the larger
+    of reading the weights and the caches and computing the step's products; ``bandwidth`` in bytes/s, ``peak`` in
+    flop/s."""
+    pair = 4 * shape.layers * shape.heads * shape.head_dim  # flops per (query, key) pair: QK^T and AV, 2d each
+    rows, weights = prompts * group, shape.linear_params + shape.head_params
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * bytes_per
+    flops = rows * (2 * weights + pair * (prompt_len + t))
+    # the prompt's cache once per prompt (its G chains share it), each row's own tokens once per row
+    nbytes = weights * bytes_per + (prompts * prompt_len + rows * t) * kv_per_token
+    return max(nbytes / bandwidth, flops / peak)
+
+
 def rollout_bound_s(shape: Shape, prompts: int, group: int, prompt_len: float, longest: int, bytes_per: int,
                     bandwidth: float, peak: float) -> float:
     """Seconds the hardware needs for one batched rollout (docstring of this module: prefill once per prompt, then
     ``longest`` decode steps over ``prompts * group`` rows); ``bandwidth`` in bytes/s, ``peak`` in flop/s."""
     pair = 4 * shape.layers * shape.heads * shape.head_dim  # flops per (query, key) pair: QK^T and AV, 2d each
     prefill = prompts * (2 * shape.linear_params * prompt_len + pair * prompt_len**2 / 2) / peak
-    rows, weights = prompts * group, shape.linear_params + shape.head_params
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * bytes_per
-    decode = 0.0
-    for t in range(1, longest + 1):
-        context = prompt_len + t
-        flops = rows * (2 * weights + pair * context)
-        # the prompt's cache once per prompt (its G chains share it), each row's own tokens once per row
-        nbytes = weights * bytes_per + (prompts * prompt_len + rows * t) * kv_per_token
-        decode += max(nbytes / bandwidth, flops / peak)
-    return prefill + decode
+    return prefill + sum(decode_step_bound_s(shape, prompts, group, prompt_len, t, bytes_per, bandwidth, peak)
+                         for t in range(1, longest + 1))
 
 
 def train_bound_s(shape: Shape, prompts: int, prompt_len: float, completion_tokens: int, group: int,

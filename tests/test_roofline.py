@@ -48,6 +48,13 @@ def test_rollout_bound_sums_decode_steps_with_growing_context():
     assert roofline.rollout_bound_s(SHAPE, 1, 2, 2, 2, 4, bandwidth=1.0, peak=1.0) == pytest.approx(56 + 128 + 160)
 
 
+def test_decode_step_bound_at_a_fractional_mean_step():
+    # decode_step.py asks for the mean step of a rollout: t = 1.5, context 3.5: flops 2 * (32 + 8 * 3.5) = 120,
+    # bytes 64 + (2 + 2 * 1.5) * 16 = 144
+    assert roofline.decode_step_bound_s(SHAPE, 1, 2, 2, 1.5, 4, bandwidth=1.0, peak=1.0) == pytest.approx(144)
+    assert roofline.decode_step_bound_s(SHAPE, 1, 2, 2, 1.5, 4, bandwidth=10.0, peak=1.0) == pytest.approx(120)
+
+
 def test_train_bound_counts_reference_pass_only_with_reference():
     # 1 prompt of 2 tokens + 4 completion tokens (G=2, mean length 2): tokens 6, pairs 4/2 + 4 * (2 + 1) = 14
     # one pass: 2*10*6 + 2*6*4 + 8*14 = 120 + 48 + 112 = 280 flops

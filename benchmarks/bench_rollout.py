@@ -129,24 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
 
     from roofline import cpu_description
-    from vs_trl import select_prompts
+    from vs_trl import tooluse_policy
 
     from vpo_lightning.attention import NAME
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
-    from vpo_lightning.module import VPOModule
-    from vpo_lightning.runtime import tune_malloc
 
-    tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
-    records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
-                             args.max_prompt_tokens, args.model)
-    module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,
-                                           lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
-    module.configure_model()
+    module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, args.max_prompt_tokens)
     base = module.policy.get_base_model()
     attention = base.config._attn_implementation
     assert attention == NAME, attention
-    prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
     sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k)
     dtype = str(next(module.policy.parameters()).dtype).removeprefix("torch.")
     cpu = cpu_description()

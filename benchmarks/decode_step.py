@@ -6,7 +6,7 @@ builds the policy as ``vpo fit`` does (SmolLM2-135M, LoRA r=16 on all linear lay
 and prints, in one run:
 
 1. the bound of one step over R = B x G rows at the mean context of ``--steps`` steps, as ``roofline.py`` computes
-   it (``max(bytes / bandwidth, flops / matmul peak)``, the peak and bandwidth measured here first);
+   it (``max(bytes / bandwidth, flops / matmul peak)``, the peak and bandwidth measured here after the steps);
 2. the measured step (greedy, median over ``--steps`` steps) and, from ``torch.profiler`` over 8 more steps, its
    self CPU time split into the linear layers' products (``mkldnn::_linear_pointwise``, ``aten::linear``/``mm``/
    ``addmm``), the attention products (``aten::bmm``/``baddbmm``) and everything else (norms, rotary, softmax,
@@ -60,26 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from roofline import BYTES_PER_PARAM, Shape, cpu_description, decode_step_bound_s, measure_bandwidth, measure_matmul
-    from vs_trl import select_prompts
+    from vs_trl import tooluse_policy
 
     from vpo_lightning.engines import left_pad
     from vpo_lightning.fused_decode import FusedDecoder
-    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
-    from vpo_lightning.module import VPOModule
-    from vpo_lightning.runtime import tune_malloc
 
-    tune_malloc()
-    records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step,
-                             args.max_prompt_tokens, args.model)
-    module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,
-                                           lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
-    module.configure_model()
+    module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, args.max_prompt_tokens)
     model = module.policy.eval()
     dtype_t = next(model.parameters()).dtype
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype_t]
     cpu = cpu_description()
-
-    prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
     ids, mask = left_pad(prompts, module.tokenizer.pad_token_id, "cpu")  # [B, P]
     B, G, L = len(prompts), args.group_size, args.steps
     rows = B * G

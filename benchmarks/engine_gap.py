@@ -37,27 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from vs_trl import select_prompts
+    from vs_trl import tooluse_policy
 
     import vpo_lightning.attention as attention
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
-    from vpo_lightning.module import VPOModule
     from vpo_lightning.protocol import Rollout, build_rollout_tensors, engine_logprob_tensor
-    from vpo_lightning.runtime import tune_malloc
 
-    tune_malloc()
     torch.manual_seed(args.seed)
-    records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", args.prompts_per_step, 400, args.model)
-    module = VPOModule(model=ModelSettings(name=args.model, dtype=args.dtype,
-                                           lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
-    module.configure_model()
+    module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, 400)
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for name, param in module.policy.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * args.lora_b_std)
-    prompts = [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
     G, sampling = args.group_size, SamplingSettings(max_new_tokens=args.max_new_tokens)
 
     def gap(engine: TransformersEngine) -> tuple[float, float, int]:

@@ -67,6 +67,22 @@ def select_prompts(data: Path, count: int, max_tokens: int, model: str) -> list[
     return out
 
 
+def tooluse_policy(model: str, dtype: str, count: int, max_tokens: int) -> tuple[object, list[list[int]]]:
+    """The rollout benchmarks' set-up: malloc tuned as ``vpo fit`` tunes it, the policy as ``vpo fit`` builds it
+    (``VPOModule``, LoRA r=16 on all linear layers) and the token ids of the first ``count`` tool-use prompts of at
+    most ``max_tokens`` tokens (:func:`select_prompts`) under the chat template."""
+    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
+    from vpo_lightning.module import VPOModule
+    from vpo_lightning.runtime import tune_malloc
+
+    tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
+    records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", count, max_tokens, model)
+    module = VPOModule(model=ModelSettings(name=model, dtype=dtype,
+                                           lora=LoraSettings(r=16, alpha=32, target_modules="all-linear")))
+    module.configure_model()
+    return module, [prompt_token_ids(module.tokenizer, r["messages"]) for r in records]
+
+
 def mean_reward_fn(names: list[str]):
     """Our tool-use rewards averaged to one scalar per completion, as a TRL reward function."""
     from vpo_lightning.rewards import RewardVector

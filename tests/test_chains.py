@@ -58,7 +58,37 @@ def test_parse_non_greedy_first_match_and_nesting():
 
 def test_parse_route_family():
     assert parse_chain("<route_1>U R</route_1><route_2>D</route_2>", 2, "route") == ["U R", "D"]
-    assert parse_chain("<response_1>U</response_1>", 1, "route") == [None]
+    # the reference's maze parser (parse_multi_routes): tags in any case; one closed tag is enough, the rest absent
+    assert parse_chain("<ROUTE_2>D</ROUTE_2> and prose R R", 3, "route") == [None, "D", None]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("R R\n---\nD D\n---\nL", ["R R", "D D", "L"]),  # no <route_i>: the ---separated parts
+        ("<route>R</route> or <answer>D</answer>... <route>U</route>", ["R", "U", None]),  # >= 2 single blocks
+        ("<answer>R</answer><answer>D D</answer>", ["R", "D D", None]),  # the reference's <answer> blocks
+        ("just R R D", ["just R R D", None, None]),  # nothing else: the whole text is the first answer
+        ("<route>R R</route>", ["<route>R R</route>", None, None]),  # one block only: whole text (reads as it)
+        ("<route_1>R", ["<route_1>R", None, None]),  # an unclosed numbered tag is no block: whole text
+    ],
+)
+def test_route_chain_fallbacks(text, expected):
+    assert parse_chain(text, 3, "route") == expected
+
+
+def test_response_family_has_no_fallback():
+    # the reference's extract_numbered_tags: case-sensitive, missing blocks are empty, no fallback
+    assert parse_chain("R\n---\nD", 2) == [None, None]
+    assert parse_chain("<RESPONSE_1>x</RESPONSE_1>", 1) == [None]
+
+
+def test_distinct_counts_identical_answers_once():
+    from vpo_lightning.chains import distinct
+
+    key = lambda text: tuple(text.split()) or None  # noqa: E731
+    assert distinct(["R  R", "R R", None, "D", "R R"], key) == (["R  R", None, None, "D", None], 2)
+    assert distinct(["", ""], key) == (["", ""], 0)  # no key (no moves): never a repeat
 
 
 def test_parse_fence_family():

@@ -116,23 +116,55 @@ HAND = Maze(
 )
 
 
+# The reference's rules (ryanboldi/vpo vpo_tasks/maze.py, docs/FIDELITY.md): walls block (the walker stays, the move
+# counts), the whole vector is 0 unless the exit is reached within the budget, items count when visited before the
+# exit, safety = 1 - distinct lava cells stepped on / lava cells (HAND has 2: (1,2) and (4,3)).
 @pytest.mark.parametrize(
     ("route", "reward"),
     [
         ("R R R R D D D D", [1.0, 1.0, 0.0, 1.0]),  # all gold, no lava
-        ("<route>RRDDDDRR</route>", [1.0, 0.0, 0.0, 0.75]),  # lava at (1,2) and (4,3): 2 of 8 moves
-        ("D D D D R R R R", [1.0, 0.0, 1.0, 0.875]),  # diamonds (3,0) (4,0) (4,1); lava (4,3): 1 of 8
-        ("down down down right", [0.0] * 4),  # (3,1) is a wall: invalid
+        ("<route>RRDDDDRR</route>", [1.0, 0.0, 0.0, 0.0]),  # both lava cells stepped on
+        ("D D D D R R R R", [1.0, 0.0, 1.0, 0.5]),  # diamonds (3,0) (4,0) (4,1); lava (4,3): 1 of 2 cells
+        ("D D D D R R R L R R", [1.0, 0.0, 1.0, 0.5]),  # (4,3) stepped on twice: still 1 distinct cell of 2
+        ("R R R D R D D D D", [1.0, 1.0, 0.0, 1.0]),  # D at (0,3) is blocked by a wall, the walk goes on
+        ("down down down right", [0.0] * 4),  # R into the wall at (3,1) is blocked; the exit is not reached
         ("R R R R D D D D L L", [1.0, 1.0, 0.0, 1.0]),  # moves after the exit are ignored
-        ("R R R D", [0.0] * 4),  # (1,3) is a wall: invalid
-        ("U", [0.0] * 4),  # off the grid: invalid
-        ("R R R R D D D", [0.0] * 4),  # does not reach the exit
-        ("R L R L R R R R D D D D", [0.0] * 4),  # 12 moves > budget 10
+        ("R R R R D", [0.0] * 4),  # all gold but no exit: gated to 0
+        ("U", [0.0] * 4),  # off the grid: blocked, no exit
+        ("R L R L R R R R D D D D", [0.0] * 4),  # only the first 10 moves (budget) count: stops at (2,4)
+        ("x <answer>R R R R D D D D</answer> y", [1.0, 1.0, 0.0, 1.0]),  # the reference's <answer> block
         ("", [0.0] * 4),
     ],
 )
 def test_exact_rewards_on_a_hand_made_maze(route: str, reward: list[float]) -> None:
     assert maze_reward(route, {"ground_truth": HAND.to_dict()}) == pytest.approx(reward)
+
+
+def _reference_vector(maze: Maze, moves: list[str]) -> list[float]:
+    """The reference's definition, written out independently: walk (walls block), stop at the exit, gate."""
+    pos, seen = maze.start, set()
+    for move in moves[: maze.budget]:
+        dr, dc = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}[move]
+        r, c = pos[0] + dr, pos[1] + dc
+        if 0 <= r < len(maze.grid) and 0 <= c < len(maze.grid) and maze.grid[r][c] != "#":
+            pos = (r, c)
+        if pos == maze.exit:
+            break
+        seen.add(pos)
+    if pos != maze.exit:
+        return [0.0] * 4
+    return [1.0, len(seen & set(maze.gold)) / len(maze.gold), len(seen & set(maze.diamond)) / len(maze.diamond),
+            1.0 - len(seen & set(maze.lava)) / len(maze.lava) if maze.lava else 1.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from("UDLR"), max_size=30), st.integers(0, 5), st.sampled_from((5, 9)))
+def test_reward_equals_the_reference_definition(moves: list[str], seed: int, size: int) -> None:
+    maze = generate_maze(seed, size)
+    assert simulate(maze, moves).reward == pytest.approx(_reference_vector(maze, moves))
+    walk = shortest_route(maze, 0b000111)  # a gold route reaches the exit: the gate is open
+    assert simulate(maze, walk).reward == pytest.approx(_reference_vector(maze, walk))
+    assert simulate(maze, walk).reward[0] == 1
 
 
 def test_route_ending_exactly_at_budget_counts() -> None:
@@ -150,7 +182,8 @@ def test_route_ending_exactly_at_budget_counts() -> None:
         ("north east south west", "URDL"),
         ("↑ → ↓ ←", "URDL"),
         ("I think: <route>R D</route> then L", "RD"),
-        ("<route_2>L, L</route_2><route_3>U</route_3>", "LL"),
+        ("<route_2>L, L</route_2><route_3>U</route_3>", "LLU"),  # no <route>/<answer> block: the whole text
+        ("<answer>R R</answer> D", "RR"),  # the reference's single-answer tag
         ("<ROUTE>D D", "DD"),
         ("Moves: [R, R, D]", "RRD"),
         ("go 3 steps", ""),
@@ -162,6 +195,8 @@ def test_tolerant_parsing(text: str, moves: str) -> None:
 
 def test_route_text_without_tag_is_whole_text() -> None:
     assert route_text("R R D") == "R R D"
+    # the reference's rule: a closed block, else the whole text (an unclosed tag is not a block)
+    assert route_text("<route>R R D") == "<route>R R D" and route_text("a <ROUTE>L</ROUTE> b") == "L"
 
 
 @settings(max_examples=300, deadline=None)
@@ -298,7 +333,8 @@ SHAPED = Maze(HAND.grid, HAND.start, HAND.exit, HAND.gold, HAND.diamond, HAND.la
 def test_shaped_rewards_on_hand_worked_routes(route: str, reward: list[float]) -> None:
     assert maze_reward(route, {"ground_truth": SHAPED.to_dict()}) == pytest.approx(reward)
     sparse = maze_reward(route, {"ground_truth": HAND.to_dict()})
-    assert sparse == pytest.approx(reward) or sparse == [0.0] * 4  # shaped only adds credit where sparse gives 0
+    # shaped only adds credit where sparse gives 0 (its safety is a different definition: moves, not cells)
+    assert sparse[:3] == pytest.approx(reward[:3]) or sparse == [0.0] * 4
 
 
 @settings(max_examples=300, deadline=None)
@@ -325,11 +361,13 @@ def test_shaped_prompt_and_record() -> None:
     assert "5x5 maze" in user and "is skipped" in user and "partial credit" in user and "    0 1 2 3 4\n" in user
     assert record["id"] == "maze5-shaped-val-00001" and record["meta"]["rules"] == "shaped"
     assert record["meta"]["size"] == 5 and record["ground_truth"]["rules"] == "shaped"
-    assert "makes the route invalid" in make_record(generate_maze(1, 5), "val", 1)["messages"][1]["content"]
+    sparse = make_record(generate_maze(1, 5), "val", 1)["messages"][1]["content"]
+    assert "is blocked" in sparse and "You MUST reach E" in sparse and "lava cells (~) stepped on" in sparse
 
 
-@pytest.mark.parametrize(("folder", "size"), [("5x5_shaped", 5), ("7x7_shaped", 7)])
-def test_small_model_splits(folder: str, size: int) -> None:
+@pytest.mark.parametrize(("folder", "size", "rules"), [("5x5_shaped", 5, "shaped"), ("7x7_shaped", 7, "shaped"),
+                                                       ("5x5", 5, "sparse")])
+def test_small_model_splits(folder: str, size: int, rules: str) -> None:
     """The shipped small-model splits: their settings, regenerable, and seeds disjoint from every other split."""
     from vpo_lightning.tasks.maze.build import SETTINGS
 
@@ -342,10 +380,11 @@ def test_small_model_splits(folder: str, size: int) -> None:
         for line in lines[:: max(1, len(lines) // 5)]:
             record = json.loads(line)
             maze = Maze.from_dict(record["ground_truth"])
-            assert maze.rules == "shaped" and len(maze.grid) == size and check_maze(maze) == []
-            assert maze == generate_maze(record["meta"]["seed"], size, rules="shaped")
+            assert maze.rules == rules and len(maze.grid) == size and check_maze(maze) == []
+            assert maze == generate_maze(record["meta"]["seed"], size, rules=rules)
+            assert record["messages"] == make_record(maze, split, int(record["id"][-5:]))["messages"]
     names = sorted(seeds)
-    assert len(names) == 9 and SETTINGS[(size, "shaped")][0] == f"data/maze/{folder}"
+    assert len(names) == 12 and SETTINGS[(size, rules)][0] == f"data/maze/{folder}"
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert not seeds[a] & seeds[b], (a, b)

@@ -2,12 +2,22 @@
 
 VPO-SPEC section 2. One completion ("chain") holds m candidate answers, each in numbered tags
 (``<response_i>``; ``<route_i>`` for mazes) or, for code, m fenced python blocks separated by ``---`` lines.
-Pure Python. The parser scans with ``str.find`` (linear time), so megabytes of model output cannot make it
-backtrack, and it never raises on any text: a missing, unclosed or empty block is ``None``.
+Pure Python. The parser scans with ``str.find`` and single-pattern regex searches (linear time), so megabytes of
+model output cannot make it backtrack, and it never raises on any text: a missing, unclosed or empty block is
+``None``.
+
+The rules follow the reference implementation (``ryanboldi/vpo``; docs/FIDELITY.md): ``<response_i>`` blocks
+are read case-sensitively with no fallback (``extract_numbered_tags``); ``<route_i>`` blocks are read in any case,
+and a maze chain with none of them falls back, in order, to its ``---``-separated parts (at least two), its
+closed single-answer blocks (``<route>`` or the reference's ``<answer>``, at least two), and finally the whole text
+as its first answer (``parse_multi_routes``). :func:`distinct` drops repeated answers of one chain (the maze's
+"identical routes count once").
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 Family = Literal["response", "route", "fence"]
@@ -101,9 +111,10 @@ def _fenced_blocks(text: str, m: int) -> list[str]:
 def parse_chain(text: str, m: int, family: Family = "response") -> list[str | None]:
     """Split a chain into its m candidate answers.
 
-    For ``"response"``/``"route"``, candidate i is the first non-greedy DOTALL match of
-    ``<response_i>(.*?)</response_i>`` (``<route_i>``). For ``"fence"``, the candidates are the first m closed
-    code fences whose language tag is empty or python; the ``---`` separators are not needed to parse.
+    For ``"response"``, candidate i is the first non-greedy DOTALL match of ``<response_i>(.*?)</response_i>``.
+    For ``"route"``, the same with ``<route_i>`` in any case; when the chain has no closed ``<route_i>`` block at
+    all, the reference's fallbacks apply (module docstring). For ``"fence"``, the candidates are the first m
+    closed code fences whose language tag is empty or python; the ``---`` separators are not needed to parse.
 
     Args:
         text: the generated chain; any string (unclosed or nested tags, any size, any unicode).
@@ -123,11 +134,72 @@ def parse_chain(text: str, m: int, family: Family = "response") -> list[str | No
         return [None] * m
     if family == "fence":
         raw: list[str | None] = list(_fenced_blocks(text, m))
-        raw += [None] * (m - len(raw))
+    elif family == "route":
+        raw = [_block_ci(text, f"route_{i}") for i in range(1, m + 1)]
+        if all(block is None for block in raw):
+            raw = list(_route_fallback(text))
     else:
-        tag = "response" if family == "response" else "route"
-        raw = [tagged_block(text, f"{tag}_{i}") for i in range(1, m + 1)]
+        raw = [tagged_block(text, f"response_{i}") for i in range(1, m + 1)]
+    raw = (raw + [None] * m)[:m]
     return [_clean(block, family) for block in raw]
+
+
+def _block_ci(text: str, tag: str) -> str | None:
+    """:func:`tagged_block` with the tags matched in any case (linear time: two single-pattern searches)."""
+    opening = re.compile(f"<{tag}>", re.IGNORECASE).search(text)
+    if opening is None:
+        return None
+    closing = re.compile(f"</{tag}>", re.IGNORECASE).search(text, opening.end())
+    return None if closing is None else text[opening.end() : closing.start()]
+
+
+def _all_blocks_ci(text: str, tag: str) -> list[str]:
+    """Every closed ``<tag>...</tag>`` block, left to right (non-overlapping, as ``re.findall`` of ``.*?``)."""
+    opening, closing = re.compile(f"<{tag}>", re.IGNORECASE), re.compile(f"</{tag}>", re.IGNORECASE)
+    blocks, pos = [], 0
+    while (start := opening.search(text, pos)) is not None:
+        end = closing.search(text, start.end())
+        if end is None:
+            break
+        blocks.append(text[start.end() : end.start()])
+        pos = end.end()
+    return blocks
+
+
+def _route_fallback(text: str) -> list[str]:
+    """The reference's fallbacks for a maze chain without ``<route_i>`` blocks: ``---``-separated parts, else
+    closed single-answer blocks (``<route>``, else ``<answer>``), each only when there are at least two; else the
+    whole text as the first answer."""
+    parts = [p.strip() for p in text.split("---") if p.strip()]
+    if len(parts) >= 2:
+        return parts
+    for tag in ("route", "answer"):
+        blocks = _all_blocks_ci(text, tag)
+        if len(blocks) >= 2:
+            return blocks
+    return [text]
+
+
+def distinct(candidates: Sequence[str | None],
+             key: Callable[[str], Hashable | None]) -> tuple[list[str | None], int]:
+    """Drop repeated answers of one chain: a candidate whose ``key`` equals an earlier candidate's becomes
+    ``None`` (absent, scoring 0), so identical answers count once, as the reference's maze reward does. A ``None``
+    key (e.g. a route with no moves) is never a repeat.
+
+    Returns:
+        The candidates with repeats set to ``None``, and the number of repeats dropped.
+    """
+    seen: set[Hashable] = set()
+    out: list[str | None] = []
+    for cand in candidates:
+        k = key(cand) if cand is not None else None
+        if k is not None and k in seen:
+            out.append(None)
+            continue
+        if k is not None:
+            seen.add(k)
+        out.append(cand)
+    return out, sum(a is not None and b is None for a, b in zip(candidates, out))
 
 
 def _clean(block: str | None, family: str) -> str | None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from vpo_lightning.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights
-from vpo_lightning.chains import build_instruction, parse_chain
+from vpo_lightning.chains import build_instruction, distinct, parse_chain
 from vpo_lightning.engines import Generation
 from vpo_lightning.rewards import RewardScores, RewardVector
 
@@ -104,6 +104,17 @@ class ChainProtocol:
         if not self.chained:
             return [text if text.strip() else None]
         return parse_chain(text, self.m, self.tag_family)
+
+    def training_candidates(self, text: str) -> tuple[list[str | None], int]:
+        """:meth:`candidates` as training scores them: answers of one chain that repeat an earlier one (by the
+        first reward's ``answer_key``, e.g. the maze's move list) are dropped, so they count once (the reference's
+        ``dedup_routes``). Evaluation scores every answer, as the reference's evaluation does. Returns the
+        candidates and the number dropped."""
+        cands = self.candidates(text)
+        key = next((e.answer_key for e in self.reward_vector.entries if e.answer_key is not None), None)
+        if key is None or len(cands) < 2:
+            return cands, 0
+        return distinct(cands, key)
 
     def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
         """Score ``candidates[n][j]`` against ``samples[n]`` with the reward vector: ``[N, m, D]`` and ``[N, m]``."""

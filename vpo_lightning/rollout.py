@@ -194,6 +194,8 @@ class RolloutCallback(L.Callback):
         scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
         stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,
                               float(rnd.extra.get("gen_time", 0.0)))
+        if self.m > 1:  # answers dropped as repeats of an earlier answer of their chain, per chain
+            stats["chains/repeated_candidates"] = float(rnd.extra.get("repeats", 0)) / max(1, B * G)
         if dyn:  # every round's tokens count toward the budget (rollout/tokens); the kept ones are trained on
             stats.update(dyn)
             stats["rollout/tokens"] = dyn["dynamic/total_tokens"]
@@ -214,7 +216,8 @@ class RolloutCallback(L.Callback):
         seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
         gen = self.engine.generate(pl_module, prompts, G, self.sampling, seeds)
         gen_time = time.perf_counter() - t0
-        cands = [self.protocol.candidates(t) for t in gen.texts]  # [N][m]
+        split = [self.protocol.training_candidates(t) for t in gen.texts]
+        cands = [c for c, _ in split]  # [N][m], repeated answers of a chain dropped (they count once)
         samples = [r for r in records for _ in range(G)]
         scores = self.protocol.score(cands, samples)
         rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
@@ -223,7 +226,7 @@ class RolloutCallback(L.Callback):
                                          num_weights=self.num_weights, alpha=self.alpha)  # [B, G]
         return Round(list(records), list(indices), prompts, gen.completion_ids, gen.texts, rewards, mask, adv,
                      weights, gen.num_tokens, gen.engine_logprobs,
-                     {"gen_time": gen_time, "errors": scores.num_errors})
+                     {"gen_time": gen_time, "errors": scores.num_errors, "repeats": sum(n for _, n in split)})
 
     def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
                  gen: Generation, gen_time: float) -> dict[str, float]:

@@ -47,6 +47,7 @@ class RewardEntry:
     dims: tuple[str, ...]
     parallel: bool = False  # candidates scored in a thread pool (rewards that wait on sandbox subprocesses)
     f_weights: tuple[float, ...] | None = None  # weights of the task's scalar f over dims (None: plain mean)
+    answer_key: Callable[[str], Any] | None = None  # when two answers of one chain are the same (count once)
 
 
 REWARDS: dict[str, RewardEntry] = {}
@@ -54,11 +55,13 @@ REWARDS: dict[str, RewardEntry] = {}
 
 def register(
     name: str, *, dims: Sequence[str] | None = None, parallel: bool = False,
-    f_weights: Sequence[float] | None = None,
+    f_weights: Sequence[float] | None = None, answer_key: Callable[[str], Any] | None = None,
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. ``dims`` declares a vector reward's dimension names;
     ``f_weights`` (one non-negative weight per dimension) makes the task's scalar f, used by ``vpo eval`` for
-    best@k, a weighted mean instead of the plain mean (MuSiQue: f = (sum of hops + 3 * answer_f1) / 7)."""
+    best@k, a weighted mean instead of the plain mean (MuSiQue: f = (sum of hops + 3 * answer_f1) / 7).
+    ``answer_key`` (a hashable per answer, or None) says when two answers of one training chain are the same:
+    repeats count once (absent, scoring 0), as the reference's maze reward does (see chains.distinct)."""
     names = tuple(dims) if dims else (name,)
     if f_weights is not None and (len(f_weights) != len(names) or min(f_weights) < 0 or not sum(f_weights) > 0):
         raise ValueError(f"reward {name!r}: f_weights needs {len(names)} non-negative weights with a positive sum")
@@ -66,7 +69,8 @@ def register(
     def wrap(fn: RewardFn) -> RewardFn:
         if name in REWARDS and REWARDS[name].fn is not fn:
             raise ValueError(f"reward {name!r} is registered twice ({REWARDS[name].fn.__module__} and {fn.__module__})")
-        REWARDS[name] = RewardEntry(name, fn, names, parallel, tuple(map(float, f_weights)) if f_weights else None)
+        REWARDS[name] = RewardEntry(name, fn, names, parallel, tuple(map(float, f_weights)) if f_weights else None,
+                                    answer_key)
         return fn
 
     return wrap

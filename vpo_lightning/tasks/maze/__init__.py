@@ -12,24 +12,30 @@ resampled; :func:`check_maze` re-checks a finished maze):
 * touching even one gold cell and one diamond cell and reaching the exit does not;
 * a lava-free route to the exit fits the budget.
 
-Routes. An answer is a list of moves U (row - 1), D (row + 1), L (column - 1), R (column + 1). Parsing is
+Routes. An answer is a list of moves U (row - 1), D (row + 1), L (column - 1), R (column + 1). Move words are
 tolerant: ``U, R, R``, ``URRD``, ``up right``, arrows; other words are ignored; repeat counts are not supported.
-If the text has a ``<route>`` (or ``<route_i>``) tag, only its content is read. In both modes the route ends at
-its first arrival on the exit (later moves are ignored) and only the first ``budget`` moves count.
+Which text is read follows the reference implementation (``ryanboldi/vpo``, ``vpo_tasks/maze.py``; docs/FIDELITY.md):
+a single answer is the content of its first closed ``<route>...</route>`` block (the reference's
+``<answer>...</answer>`` is read too), else the whole text. A chain's answers are split by
+:func:`vpo_lightning.chains.parse_chain` (closed ``<route_i>`` blocks, then the reference's fallbacks), and
+identical routes within one chain count once (:func:`route_key`). In both modes only the first ``budget`` moves
+count, a move into a wall or off the grid is blocked (the walker stays put; the move still uses one move of the
+budget), and the route ends at its first arrival on the exit (later moves are ignored).
 
 Reward (D = 4, VPO-SPEC section 8): ``[exit, gold, diamond, safety]``.
 
-* ``sparse`` (the paper's, the default): a move into a wall or off the grid makes the whole route invalid, and
-  a route that does not reach the exit within the budget scores 0 on every dimension. Otherwise the vector is
-  [1, fraction of gold cells visited, fraction of diamond cells visited, 1 - fraction of moves that end on lava].
-* ``shaped`` (for small models, whose routes rarely survive the sparse rules): a move into a wall or off the grid
-  is skipped (the walker stays put; the move still uses one move of the budget). Let ``e`` = 1 if the route
-  reaches the exit within the budget, else ``0.5 * progress``, with ``progress = max(0, d0 - d) / d0``, ``d0`` the
-  walking distance from the start to the exit and ``d`` the one from where the route stops. The vector is
-  ``e * [1, gold fraction, diamond fraction, 1 - lava fraction]`` (lava fraction over the moves taken; 0 for no
-  move). Sparse is the special case where ``e`` is 0 or 1 and any wall move gives ``e = 0``. A route that stops
-  short of the exit scores at most 0.5 on every dimension, so it never beats, on the mean, a route that reaches
-  the exit with one full zone and no lava (0.75).
+* ``sparse`` (the reference's, the default): a route that does not reach the exit within the budget scores 0 on
+  every dimension. Otherwise the vector is [1, fraction of gold cells visited before the exit, fraction of
+  diamond cells visited before the exit, 1 - distinct lava cells stepped on / number of lava cells] (1 when the
+  maze has no lava).
+* ``shaped`` (a deviation from the reference, for small models whose routes rarely reach the exit; kept only as
+  an explicitly named option, used by the results produced before docs/FIDELITY.md): let ``e`` = 1 if the route
+  reaches the exit within the budget, else ``0.5 * progress``, with ``progress = max(0, d0 - d) / d0``, ``d0``
+  the walking distance from the start to the exit and ``d`` the one from where the route stops. The vector is
+  ``e * [1, gold fraction, diamond fraction, 1 - lava fraction]`` with the lava fraction over the moves taken
+  (0 for no move). Its safety dimension is nearly a copy of its exit dimension on random walks (correlation 0.994
+  measured on cold-start samples), which is why it is no longer the default. A route that stops short of the
+  exit scores at most 0.5 on every dimension.
 
 Why no route scores 1 on every dimension, in either mode: exit = 1 needs the exit reached within the budget,
 and the budget is drawn below the shortest route that touches one gold cell and one diamond cell before the exit,
@@ -304,23 +310,26 @@ def render_maze(maze: Maze) -> str:
 
 
 def rules_text(maze: Maze) -> str:
-    """The rules and scoring paragraph of the prompt, for the maze's reward mode."""
+    """The rules and scoring paragraph of the prompt, for the maze's reward mode (the shaped text is unchanged
+    since its data was built, so data/maze/*_shaped regenerates exactly)."""
     head = ("Rules: you start on S. A move is U (up: row - 1), D (down: row + 1), L (left: column - 1) or R (right: "
             "column + 1). ")
-    scoring = ("scored on four criteria, each between 0 and 1: reaching the exit; the fraction of gold cells ($) "
-               "visited; the fraction of diamond cells (*) visited; and 1 minus the fraction of moves that land on "
-               "lava (~). ")
-    choose = "The move budget is too small to visit both the gold and the diamond zone, so a route has to choose."
     if maze.rules == "shaped":
         return (head + "A move into a wall (#) or off the grid is skipped: you stay where you are, and it still "
                 f"uses one move. Only the first {maze.budget} moves count, and the route ends as soon as it reaches "
-                "the exit E. A route that reaches E in time is " + scoring + "A route that does not reach E gets "
-                "partial credit: all four scores are multiplied by half the fraction of the distance to E it "
+                "the exit E. A route that reaches E in time is scored on four criteria, each between 0 and 1: "
+                "reaching the exit; the fraction of gold cells ($) visited; the fraction of diamond cells (*) "
+                "visited; and 1 minus the fraction of moves that land on lava (~). A route that does not reach E "
+                "gets partial credit: all four scores are multiplied by half the fraction of the distance to E it "
                 "covered. The move budget is too small to visit both the gold and the diamond zone and still reach "
                 "E, so a route has to choose.")
-    return (head + "A move into a wall (#) or off the grid makes the route invalid (it scores 0). The route ends as "
-            f"soon as it reaches the exit E, and it must reach E within {maze.budget} moves, otherwise it scores 0. "
-            "A route that reaches E in time is " + scoring + choose)
+    return (head + "A move into a wall (#) or off the grid is blocked: you stay where you are, and it still uses one "
+            f"move. Only the first {maze.budget} moves count, and the route ends as soon as it reaches the exit E. "
+            "You MUST reach E: a route that does not reach E within the budget scores 0 everywhere. A route that "
+            "reaches E is scored on four criteria, each between 0 and 1: reaching the exit; the fraction of gold "
+            "cells ($) visited before E; the fraction of diamond cells (*) visited before E; and 1 minus the "
+            "fraction of lava cells (~) stepped on. The move budget is too small to visit both the gold and the "
+            "diamond zone and still reach E, so a route has to choose.")
 
 
 def user_prompt(maze: Maze) -> str:
@@ -352,26 +361,39 @@ def make_record(maze: Maze, split: str, index: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- routes
 
-_TAG = re.compile(r"<route(?:_\d+)?>", re.IGNORECASE)
+_SINGLE_TAGS = ("route", "answer")  # ours, and the reference's single-answer tag
 _TOKEN = re.compile(r"[A-Za-z]+")
 _WORDS = {"UP": "U", "DOWN": "D", "LEFT": "L", "RIGHT": "R", "NORTH": "U", "SOUTH": "D", "WEST": "L", "EAST": "R"}
 _ARROWS = str.maketrans({"↑": " U ", "↓": " D ", "←": " L ", "→": " R "})
 
 
 def route_text(text: str) -> str:
-    """The content of the first ``<route>`` / ``<route_i>`` tag (to its closing tag or the end), else ``text``."""
-    match = _TAG.search(text)
-    if match is None:
-        return text
-    end = text.lower().find("</route", match.end())
-    return text[match.end() :] if end < 0 else text[match.end() : end]
+    """The text a single answer's moves are read from (the reference's rule): the content of the first closed
+    ``<route>...</route>`` block, else of the first closed ``<answer>...</answer>`` block (tags in any case), else
+    the whole text. A chain candidate (a ``<route_i>`` block's content) has no such tag and is read whole."""
+    lower = text.lower()
+    for tag in _SINGLE_TAGS:
+        start = lower.find(f"<{tag}>")
+        if start >= 0:
+            start += len(tag) + 2
+            end = lower.find(f"</{tag}>", start)
+            if end >= 0:
+                return text[start:end]
+    return text
+
+
+def route_key(text: str) -> tuple[str, ...] | None:
+    """What makes two routes of one chain identical (counted once, as in the reference): their move lists;
+    None for a route with no moves (it scores 0 anyway)."""
+    moves = parse_moves(text)
+    return tuple(moves) if moves else None
 
 
 def parse_moves(text: str, max_moves: int = 10_000) -> list[str]:
     """Moves (``"U"``/``"D"``/``"L"``/``"R"``) written in ``text``; never raises (non-strings give ``[]``).
 
     Args:
-        text: a route answer (tag content or whole text, see :func:`route_text`).
+        text: a route answer (read as :func:`route_text` says).
         max_moves: stop after this many moves.
     """
     if not isinstance(text, str):
@@ -413,55 +435,50 @@ def walking_distances(maze: Maze, target: Cell) -> dict[Cell, int]:
 
 
 def simulate(maze: Maze, moves: Sequence[str]) -> RouteResult:
-    """Walk ``moves`` from the start under ``maze.rules`` (module docstring) and score the route."""
-    if maze.rules == "shaped":
-        return _simulate_shaped(maze, moves)
-    pos, path = maze.start, [maze.start]
-    for i, move in enumerate(moves):
-        if i >= maze.budget:
-            return RouteResult(path, True, False, [0.0] * 4, f"budget of {maze.budget} moves used up")
-        dr, dc = MOVES[move]
-        nxt = (pos[0] + dr, pos[1] + dc)
-        if not maze.is_open(nxt):
-            return RouteResult(path, False, False, [0.0] * 4, f"move {i + 1} ({move}) hits a wall at {nxt}")
-        pos = nxt
-        path.append(pos)
-        if pos == maze.exit:
-            break
-    if pos != maze.exit:
-        return RouteResult(path, True, False, [0.0] * 4, "the route does not reach the exit")
-    return RouteResult(path, True, True, _vector(maze, path, 1.0))
+    """Walk ``moves`` from the start under ``maze.rules`` (module docstring) and score the route.
 
-
-def _vector(maze: Maze, path: Sequence[Cell], e: float) -> list[float]:
-    """``e * [1, gold fraction, diamond fraction, 1 - lava fraction]`` of a walked path (start first)."""
-    visited, lava, steps = set(path), set(maze.lava), len(path) - 1
-    lava_frac = sum(cell in lava for cell in path[1:]) / steps if steps else 0.0
-    return [e, e * len(visited & set(maze.gold)) / len(maze.gold),
-            e * len(visited & set(maze.diamond)) / len(maze.diamond), e * (1.0 - lava_frac)]
-
-
-def _simulate_shaped(maze: Maze, moves: Sequence[str]) -> RouteResult:
-    """Shaped rules: wall moves are skipped (the walker stays, one move of the budget is used); partial credit
-    ``e = 0.5 * progress`` toward the exit when the route stops short. ``path`` has one entry per move taken."""
-    pos, path, skipped = maze.start, [maze.start], 0
+    ``path`` has one entry per move taken (the start first; a blocked move repeats the cell), up to the exit or
+    the budget."""
+    pos, path, blocked = maze.start, [maze.start], 0
     for move in moves[: maze.budget]:
         dr, dc = MOVES[move]
         nxt = (pos[0] + dr, pos[1] + dc)
         if maze.is_open(nxt):
             pos = nxt
         else:
-            skipped += 1
+            blocked += 1
         path.append(pos)
         if pos == maze.exit:
             break
-    note = f"{skipped} wall move(s) skipped" if skipped else ""
+    note = f"{blocked} blocked move(s)" if blocked else ""
     if pos == maze.exit:
         return RouteResult(path, True, True, _vector(maze, path, 1.0), note)
+    if maze.rules == "shaped":
+        return _shaped_partial(maze, path, note)
+    why = f"the route does not reach the exit within {maze.budget} moves"
+    return RouteResult(path, True, False, [0.0] * 4, "; ".join(x for x in (note, why) if x))
+
+
+def _vector(maze: Maze, path: Sequence[Cell], e: float) -> list[float]:
+    """``e * [1, gold fraction, diamond fraction, safety]`` of a walked path (start first). Safety under the
+    reference's rule (sparse): 1 - distinct lava cells visited / lava cells; under shaped: 1 - the fraction of
+    moves that end on lava."""
+    visited, lava, steps = set(path), set(maze.lava), len(path) - 1
+    if maze.rules == "shaped":
+        safety = 1.0 - (sum(cell in lava for cell in path[1:]) / steps if steps else 0.0)
+    else:
+        safety = 1.0 - len(visited & lava) / len(lava) if lava else 1.0
+    return [e, e * len(visited & set(maze.gold)) / len(maze.gold),
+            e * len(visited & set(maze.diamond)) / len(maze.diamond), e * safety]
+
+
+def _shaped_partial(maze: Maze, path: Sequence[Cell], note: str) -> RouteResult:
+    """Shaped rules' partial credit ``e = 0.5 * progress`` toward the exit for a route that stops short."""
+    pos = path[-1]
     dist = walking_distances(maze, maze.exit)
     d0 = dist[maze.start]
     e = 0.5 * max(0, d0 - dist.get(pos, d0)) / d0
-    return RouteResult(path, True, False, _vector(maze, path, e),
+    return RouteResult(list(path), True, False, _vector(maze, path, e),
                        "; ".join(x for x in (note, f"stops {dist.get(pos, d0)} moves from the exit") if x))
 
 

@@ -1,0 +1,58 @@
+"""The settings docs/FIDELITY.md states against the reference implementation (ryanboldi/vpo), checked on the
+shipped configs: what a user runs is what the table says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAIRS = sorted(p for p in CONFIGS.glob("*_grpo.yaml") if (CONFIGS / p.name.replace("_grpo", "")).exists())
+
+
+def _budget(path: Path) -> int:
+    return int(yaml.safe_load(path.read_text())["rollout"]["sampling"]["max_new_tokens"])
+
+
+def test_every_chain_config_has_a_single_answer_pair() -> None:
+    assert {p.name for p in PAIRS} >= {"tooluse_grpo.yaml", "maze5_grpo.yaml", "maze_grpo.yaml", "code_grpo.yaml",
+                                       "musique_grpo.yaml", "eureqa_grpo.yaml", "livecodebench_grpo.yaml"}
+
+
+@pytest.mark.parametrize("single", PAIRS, ids=lambda p: p.name)
+def test_chains_get_at_least_twice_the_single_answer_budget(single: Path) -> None:
+    """The reference gives multi-answer runs 2x (maze, tool, musique) to 4x (eureqa) the response budget."""
+    chain = CONFIGS / single.name.replace("_grpo", "")
+    ratio = _budget(chain) / _budget(single)
+    assert 2 <= ratio <= 4, f"{chain.name}: {_budget(chain)} tokens vs {single.name}: {_budget(single)}"
+
+
+def test_eureqa_and_musique_budgets_are_the_reference_values() -> None:
+    assert (_budget(CONFIGS / "eureqa.yaml"), _budget(CONFIGS / "eureqa_grpo.yaml")) == (2048, 512)
+    assert (_budget(CONFIGS / "musique.yaml"), _budget(CONFIGS / "musique_grpo.yaml")) == (1024, 512)
+
+
+def test_sft_demonstrations_fit_the_chain_budget() -> None:
+    """A cold start's chain demonstrations are filtered to the RL chain budget, not the single-answer one."""
+    for sft, rl in (("tooluse_sft.yaml", "tooluse.yaml"), ("maze_sft.yaml", "maze.yaml"),
+                    ("maze5_sft.yaml", "maze5.yaml")):
+        cfg = yaml.safe_load((CONFIGS / sft).read_text())
+        assert cfg["data"]["max_completion_tokens"] == _budget(CONFIGS / rl), sft
+
+
+def test_identical_routes_of_a_training_chain_count_once() -> None:
+    """The reference's maze reward scores a chain's distinct routes (dedup_routes); repeats score 0."""
+    from vpo_lightning.protocol import ChainProtocol
+    from vpo_lightning.tasks.maze import generate_maze, make_record, shortest_route
+
+    maze = generate_maze(3, 5)
+    gold = " ".join(shortest_route(maze, 0b000111))
+    chain = f"<route_1>{gold}</route_1><route_2>{gold.replace(' ', ', ')}</route_2><route_3>{gold}</route_3>"
+    protocol = ChainProtocol(["maze"], "vpo", 3, tag_family="route")
+    cands, repeats = protocol.training_candidates(chain)
+    assert repeats == 2 and cands[0] == gold and cands[1:] == [None, None]
+    scores = protocol.score([cands], [make_record(maze, "test", 0)])
+    assert scores.rewards[0, 0].tolist()[:2] == [1.0, 1.0] and scores.rewards[0, 1:].abs().sum() == 0
+    assert protocol.candidates(chain) == [gold, gold.replace(" ", ", "), gold]  # evaluation scores every answer

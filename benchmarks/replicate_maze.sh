@@ -37,7 +37,7 @@
 #   DTYPE []                 override model.model.dtype everywhere (empty: configs' auto)
 #   EXTRA_FIT [] EXTRA_EVAL []  more `vpo fit` / `vpo eval` arguments for every run / evaluation
 #   PREFIX [maze]            runs: checkpoints/$PREFIX-{vpo,grpo}-s<seed>/, evaluations: checkpoints/$PREFIX-eval/
-#   RESULTS [docs/results_maze.md]
+#   RESULTS [docs/results_maze_shaped.md]
 #   PY [.venv/bin/python if present, else python]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +56,7 @@ REUSE_EVAL=${REUSE_EVAL:-1}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-}
 DTYPE=${DTYPE:-}
 PREFIX=${PREFIX:-maze}
-RESULTS=${RESULTS:-docs/results_maze.md}
+RESULTS=${RESULTS:-docs/results_maze_shaped.md}
 for config in "$VPO_CONFIG" "$GRPO_CONFIG"; do
   [[ -f "$config" ]] || { echo "$config does not exist" >&2; exit 2; }
 done

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The maze comparison of issue 38 (docs/results_maze.md; not part of CI): one (method, seed) at a time, resumable,
+# each finished result committed at once. The reference's protocol (ryanboldi/vpo PAPER_REPRO.md section 3.1) at a
+# size two CPU cores can run: every method starts from the same cold start (configs/maze5_sft.yaml), trains the
+# same number of prompt visits (configs/maze5*.yaml: 100 steps x B = 4 prompts, no dynamic sampling), with the
+# budgets and defaults of docs/FIDELITY.md, and is evaluated on the test split at the evaluation temperature.
+#
+#   METHOD=vpo SEED=0 bash benchmarks/maze_protocol.sh          # train (or resume) -> evaluate -> record
+#   METHOD=sft_single SEED=0 bash benchmarks/maze_protocol.sh   # the cold start itself, single answers / chains
+#   bash benchmarks/maze_protocol.sh report                     # docs/results_maze*.{md,png} from the committed files
+#
+# METHOD: vpo | grpo | multi_rlvr (configs/maze5{,_grpo,_multi_rlvr}.yaml) | sft_single | sft_chains.
+# A run whose checkpoints/<run>/last.ckpt exists resumes from it (`--ckpt_path last`); a finished run (its
+# last.ckpt at max_steps) is not retrained; an evaluation whose eval.json exists is kept. When the evaluation
+# ends, eval.json, per-position rates, training curves, the run summary (benchmarks/run_summary.py), the wall times and the adapter's SHA-256 are copied to
+# $RESULTS_DIR/<method>-s<seed>/ and committed in $RESULTS_REPO (only those files), so no finished seed is lost.
+#
+# Knobs [defaults]: SEED [0], SFT_ADAPTER [checkpoints/maze5-sft/adapters/last], N [24 solutions per maze: 8 chains
+# of 3], PROMPTS [50 test mazes], TEMPERATURE [0.7, docs/FIDELITY.md], THREADS [1: two runs side by side on two
+# cores], RESULTS_REPO [.: the checkout that records results; the main checkout when running from an experiment
+# checkout], RESULTS_DIR [docs/results/maze], COMMIT [1], EXTRA_FIT [], PY [.venv/bin/python if present, else python].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${PY:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
+fi
+vpo() { "$PY" -m vpo_lightning.cli "$@"; }
+RESULTS_REPO=${RESULTS_REPO:-.}
+RESULTS_DIR=${RESULTS_DIR:-docs/results/maze}
+
+if [[ "${1:-}" == report ]]; then
+  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" --out "$RESULTS_REPO/docs/results_maze.md"
+fi
+
+METHOD=${METHOD:?set METHOD to vpo, grpo, multi_rlvr, sft_single or sft_chains}
+SEED=${SEED:-0}
+SFT_ADAPTER=${SFT_ADAPTER:-checkpoints/maze5-sft/adapters/last}
+N=${N:-24}
+PROMPTS=${PROMPTS:-50}
+TEMPERATURE=${TEMPERATURE:-0.7}
+THREADS=${THREADS:-1}
+COMMIT=${COMMIT:-1}
+read -r -a FIT_EXTRA <<< "${EXTRA_FIT:-}"
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+case "$METHOD" in
+  vpo|sft_chains) CONFIG=configs/maze5.yaml ;;
+  grpo|sft_single) CONFIG=configs/maze5_grpo.yaml ;;
+  multi_rlvr) CONFIG=configs/maze5_multi_rlvr.yaml ;;
+  *) echo "METHOD=$METHOD: use vpo, grpo, multi_rlvr, sft_single or sft_chains" >&2; exit 2 ;;
+esac
+[[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config configs/maze5_sft.yaml" >&2; exit 2; }
+NAME="${METHOD}-s$SEED"
+RUN="maze5-${METHOD//_/-}-s$SEED"
+EVAL_DIR="checkpoints/maze5-eval/$NAME"
+TIMES="checkpoints/maze5-eval/$NAME.times.tsv"
+mkdir -p checkpoints/maze5-eval
+
+max_steps=$("$PY" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer']['max_steps'])" "$CONFIG")
+done_steps() {  # the global step of checkpoints/$RUN/last.ckpt, 0 when there is none
+  [[ -f "checkpoints/$RUN/last.ckpt" ]] || { echo 0; return; }
+  "$PY" -c "import sys, torch; print(torch.load(sys.argv[1], map_location='cpu', weights_only=False)['global_step'])" \
+    "checkpoints/$RUN/last.ckpt"
+}
+
+if [[ "$METHOD" != sft_* ]]; then
+  steps=$(done_steps)
+  if (( steps < max_steps )); then
+    resume=()
+    (( steps > 0 )) && resume=(--ckpt_path last)
+    echo "=== train $RUN ($CONFIG, seed $SEED, from step $steps of $max_steps, $THREADS thread(s))"
+    t0=$SECONDS
+    vpo fit --config "$CONFIG" --run_name "$RUN" --seed_everything "$SEED" --rollout.seed "$SEED" \
+      --model.model.adapter "$SFT_ADAPTER" "${resume[@]}" "${FIT_EXTRA[@]}"
+    printf 'train\t%s\t%s\t%s\n' "$RUN" "$steps" $((SECONDS - t0)) >> "$TIMES"
+  fi
+  EVAL_ARGS=(--adapter "checkpoints/$RUN/adapters/last")
+else
+  EVAL_ARGS=(--config "$CONFIG" --set "model.model.adapter=$SFT_ADAPTER")
+fi
+
+if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
+  echo "=== eval $NAME -> $EVAL_DIR"
+  t0=$SECONDS
+  vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
+    --set "rollout.sampling.temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR"
+  printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
+fi
+
+OUT="$RESULTS_REPO/$RESULTS_DIR/$NAME"
+mkdir -p "$OUT"
+cp "$EVAL_DIR/eval.json" "$OUT/eval.json"
+cp "$TIMES" "$OUT/times.tsv"
+"$PY" benchmarks/maze_report.py --positions "$EVAL_DIR" > "$OUT/positions.json"
+if [[ "$METHOD" != sft_* ]]; then
+  "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
+  "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
+  sha256sum "checkpoints/$RUN/adapters/last/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
+else
+  sha256sum "$SFT_ADAPTER/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
+fi
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
+echo "=== recorded $OUT"
+if [[ "$COMMIT" == 1 ]]; then
+  for try in 1 2 3 4 5; do  # another commit in the same checkout may hold the index lock for a moment
+    if git -C "$RESULTS_REPO" add -- "$RESULTS_DIR/$NAME" && \
+       git -C "$RESULTS_REPO" commit -q -m "maze results: $NAME (benchmarks/maze_protocol.sh, commit $(cat "$OUT/commit.txt" | cut -c1-7))" \
+         -- "$RESULTS_DIR/$NAME"; then
+      echo "=== committed $RESULTS_DIR/$NAME"; break
+    fi
+    sleep 5
+  done
+fi

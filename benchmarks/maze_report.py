@@ -1,0 +1,156 @@
+"""The maze comparison's report (issue 38, docs/results_maze.md), built from committed small files only.
+
+Three helpers for ``benchmarks/maze_protocol.sh`` and one report:
+
+    python benchmarks/maze_report.py --positions checkpoints/maze5-eval/vpo-s0      # per-position rates (JSON)
+    python benchmarks/maze_report.py --curves checkpoints/maze5-vpo-s0              # training curves (JSON)
+    python benchmarks/maze_report.py --results docs/results/maze --out docs/results_maze.md
+
+``--positions`` reads an evaluation's ``samples.jsonl`` and prints, per answer position (a single answer is
+position 1): the fraction of answers that parse, that reach the exit (reward dimension ``exit`` = 1), each
+dimension's mean (unparsed answers score 0, as in training), and for chains the fraction with every position
+parsed. ``--curves`` reads a run's TensorBoard files and prints per-step train/ rewards, KL, parse rate, diversity
+and tokens. ``--results`` reads ``<results>/<method>-s<seed>/{eval.json,positions.json,curves.json,times.tsv}`` and
+writes the table (mean over seeds and prompts with hierarchical 95% bootstrap intervals, vpo_lightning.replicates),
+the best@k plot, the cold start's per-position table, the first/last-10-step training summaries and wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CURVE_TAGS = ("train/reward/all/mean", "train/reward/exit", "train/reward/gold", "train/reward/diamond",
+              "train/reward/safety", "train/reward/set", "train/kl", "train/chains/candidate_parse_rate",
+              "train/chains/parse_rate", "train/diversity/within_group", "train/diversity/within_chain",
+              "train/rollout/tokens", "train/chains/repeated_candidates")
+LABELS = {"vpo": "VPO", "grpo": "GRPO", "multi_rlvr": "Multi-RLVR", "sft_chains": "SFT, 3-route chains",
+          "sft_single": "SFT, single answers"}
+
+
+def positions(eval_dir: Path) -> dict[str, Any]:
+    """Per-position parse and exit rates and reward means of one evaluation (``samples.jsonl`` + ``eval.json``)."""
+    report = json.loads((eval_dir / "eval.json").read_text(encoding="utf-8"))
+    dims, m = list(report["dim_names"]), int(report["m"])
+    parsed, exits, sums, chains, complete = [0] * m, [0] * m, [[0.0] * len(dims) for _ in range(m)], 0, 0
+    for line in (eval_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines():
+        rewards = json.loads(line)["rewards"]
+        chains += 1
+        complete += all(r is not None for r in rewards)
+        for j, r in enumerate(rewards[:m]):
+            if r is None:
+                continue
+            parsed[j] += 1
+            exits[j] += r[dims.index("exit")] >= 1.0 if "exit" in dims else 0
+            for d, v in enumerate(r):
+                sums[j][d] += v
+    n = max(1, chains)
+    return {"m": m, "chains": chains, "dim_names": dims, "all_parsed": complete / n,
+            "parse_rate": [p / n for p in parsed], "exit_rate": [e / n for e in exits],
+            "mean_reward": [[v / n for v in row] for row in sums]}
+
+
+def curves(run_dir: Path) -> dict[str, dict[int, float]]:
+    """The run's per-step training scalars of ``CURVE_TAGS`` (those it logged)."""
+    from vpo_lightning.runs import read_scalars
+
+    scalars = read_scalars(run_dir)
+    return {tag: {int(k): float(v) for k, v in sorted(scalars[tag].items())} for tag in CURVE_TAGS if tag in scalars}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def curve_rows(name: str, data: dict[str, dict[str, float]], first: int = 10, last: int = 10) -> list[str]:
+    rows = []
+    for tag, series in data.items():
+        steps = sorted(series, key=int)
+        head, tail = [series[s] for s in steps[:first]], [series[s] for s in steps[-last:]]
+        rows.append(f"| {name} | {tag.removeprefix('train/')} | {len(steps)} | {_mean(head):.4f} | {_mean(tail):.4f} |")
+    return rows
+
+
+def position_rows(name: str, pos: dict[str, Any]) -> list[str]:
+    dims = pos["dim_names"]
+    rows = []
+    for j in range(pos["m"]):
+        means = ", ".join(f"{v:.3f}" for v in pos["mean_reward"][j])
+        rows.append(f"| {name} | {j + 1} | {pos['chains']} | {pos['parse_rate'][j]:.1%} | {pos['exit_rate'][j]:.1%} | "
+                    f"{means} ({', '.join(dims)}) |")
+    if pos["m"] > 1:
+        rows.append(f"| {name} | all {pos['m']} parsed | {pos['chains']} | {pos['all_parsed']:.1%} | - | - |")
+    return rows
+
+
+def report(results: Path, out: Path) -> None:
+    from vpo_lightning.replicates import best_at_k_bands, plot_bands, summary_table
+
+    runs = sorted(p for p in results.iterdir() if (p / "eval.json").exists()) if results.exists() else []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        method = run.name.rsplit("-s", 1)[0]
+        rep = json.loads((run / "eval.json").read_text(encoding="utf-8"))
+        rep["_path"] = str(run)
+        groups.setdefault(LABELS.get(method, method), []).append(rep)
+    lines = ["# Maze (5x5, the reference's reward): VPO vs GRPO vs Multi-RLVR from one cold start", "",
+             "Generated by `bash benchmarks/maze_protocol.sh report` from the files under "
+             f"`{results}/` alone (one folder per method and seed). Protocol: benchmarks/maze_protocol.sh.", ""]
+    if groups:
+        n = min(r["n"] for rs in groups.values() for r in rs)
+        ks = [k for k in (1, 2, 4, 8, 12, 16, 24) if k <= n]
+        lines += summary_table(groups, ks)
+        plot = out.with_name(out.stem + "_best_at_k.png")
+        plot_bands(best_at_k_bands(groups), plot, "Maze 5x5 (test split): best@k, 95% intervals over prompts and seeds")
+        lines += ["", f"![best@k]({plot.name})", ""]
+    pos = [(run.name, json.loads((run / "positions.json").read_text())) for run in runs
+           if (run / "positions.json").exists()]
+    if pos:
+        lines += ["## Per answer position", "", "| run | position | chains | parses | reaches the exit | mean reward |",
+                  "|---|---|---|---|---|---|"]
+        for name, p in pos:
+            lines += position_rows(name, p)
+        lines.append("")
+    cur = [(run.name, json.loads((run / "curves.json").read_text())) for run in runs if (run / "curves.json").exists()]
+    if cur:
+        lines += ["## Training curves (mean of the first and last 10 logged steps)", "",
+                  "| run | scalar | steps | first 10 | last 10 |", "|---|---|---|---|---|"]
+        for name, c in cur:
+            lines += curve_rows(name, c)
+        lines.append("")
+    times = [(run.name, (run / "times.tsv").read_text().splitlines()) for run in runs if (run / "times.tsv").exists()]
+    if times:
+        lines += ["## Wall times", "", "| run | phase | from step | seconds |", "|---|---|---|---|"]
+        for name, rows in times:
+            for row in rows:
+                phase, _, start, secs = (row.split("\t") + ["", "", "", ""])[:4]
+                lines.append(f"| {name} | {phase} | {start} | {secs} |")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--positions", type=Path, help="a `vpo eval` output directory: print its per-position rates")
+    p.add_argument("--curves", type=Path, help="a `vpo fit` run directory: print its training curves")
+    p.add_argument("--results", type=Path, help="the committed results folder (docs/results/maze)")
+    p.add_argument("--out", type=Path, default=Path("docs/results_maze.md"))
+    args = p.parse_args(argv)
+    if args.positions:
+        print(json.dumps(positions(args.positions), indent=1))
+    elif args.curves:
+        print(json.dumps(curves(args.curves)))
+    elif args.results:
+        report(args.results, args.out)
+    else:
+        p.error("give --positions, --curves or --results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,11 @@
 # Knobs [defaults]: SEED [0], SFT_ADAPTER [checkpoints/maze5-sft/adapters/last], N [24 solutions per maze: 8 chains
 # of 3], PROMPTS [50 test mazes], TEMPERATURE [0.7, docs/FIDELITY.md], THREADS [1: two runs side by side on two
 # cores], RESULTS_REPO [.: the checkout that records results; the main checkout when running from an experiment
-# checkout], RESULTS_DIR [docs/results/maze], COMMIT [1], EXTRA_FIT [], PY [.venv/bin/python if present, else python].
+# checkout], RESULTS_DIR [docs/results/maze], COMMIT [1], PREFIX [maze5: runs checkpoints/$PREFIX-<method>-s<seed>],
+# MAX_STEPS [the config's], EXTRA_FIT [more `vpo fit` arguments], EXTRA_EVAL [more `vpo eval` arguments],
+# PY [.venv/bin/python if present, else python].
+#
+# Smoke run on the random tiny model (numbers meaningless, a few minutes): see tests/test_maze_protocol.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
@@ -40,7 +44,9 @@ PROMPTS=${PROMPTS:-50}
 TEMPERATURE=${TEMPERATURE:-0.7}
 THREADS=${THREADS:-1}
 COMMIT=${COMMIT:-1}
+PREFIX=${PREFIX:-maze5}
 read -r -a FIT_EXTRA <<< "${EXTRA_FIT:-}"
+read -r -a EVAL_EXTRA <<< "${EXTRA_EVAL:-}"
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 case "$METHOD" in
   vpo|sft_chains) CONFIG=configs/maze5.yaml ;;
@@ -50,12 +56,12 @@ case "$METHOD" in
 esac
 [[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config configs/maze5_sft.yaml" >&2; exit 2; }
 NAME="${METHOD}-s$SEED"
-RUN="maze5-${METHOD//_/-}-s$SEED"
-EVAL_DIR="checkpoints/maze5-eval/$NAME"
-TIMES="checkpoints/maze5-eval/$NAME.times.tsv"
-mkdir -p checkpoints/maze5-eval
+RUN="$PREFIX-${METHOD//_/-}-s$SEED"
+EVAL_DIR="checkpoints/$PREFIX-eval/$NAME"
+TIMES="checkpoints/$PREFIX-eval/$NAME.times.tsv"
+mkdir -p "checkpoints/$PREFIX-eval"
 
-max_steps=$("$PY" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer']['max_steps'])" "$CONFIG")
+max_steps=${MAX_STEPS:-$("$PY" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer']['max_steps'])" "$CONFIG")}
 done_steps() {  # the global step of checkpoints/$RUN/last.ckpt, 0 when there is none
   [[ -f "checkpoints/$RUN/last.ckpt" ]] || { echo 0; return; }
   "$PY" -c "import sys, torch; print(torch.load(sys.argv[1], map_location='cpu', weights_only=False)['global_step'])" \
@@ -70,8 +76,9 @@ if [[ "$METHOD" != sft_* ]]; then
     echo "=== train $RUN ($CONFIG, seed $SEED, from step $steps of $max_steps, $THREADS thread(s))"
     t0=$SECONDS
     vpo fit --config "$CONFIG" --run_name "$RUN" --seed_everything "$SEED" --rollout.seed "$SEED" \
-      --model.model.adapter "$SFT_ADAPTER" "${resume[@]}" "${FIT_EXTRA[@]}"
+      --trainer.max_steps "$max_steps" --model.model.adapter "$SFT_ADAPTER" "${resume[@]}" "${FIT_EXTRA[@]}"
     printf 'train\t%s\t%s\t%s\n' "$RUN" "$steps" $((SECONDS - t0)) >> "$TIMES"
+    rm -rf "$EVAL_DIR"  # an evaluation of the run before this training is stale
   fi
   EVAL_ARGS=(--adapter "checkpoints/$RUN/adapters/last")
 else
@@ -82,7 +89,7 @@ if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
-    --set "rollout.sampling.temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR"
+    --set "rollout.sampling.temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
   printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
 fi
 

@@ -162,12 +162,16 @@ def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
 
 
 def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and its sampling settings."""
+    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and the evaluation sampling
+    settings: the training ``sampling`` with ``rollout.eval_temperature`` (default 0.7) and ``rollout.eval_top_p``
+    (default 1.0), as the reference evaluates held-out pools."""
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
 
     ro = cfg["rollout"]
     init = (ro.get("engine") or {}).get("init_args") or {}
-    sampling = SamplingSettings(**known(SamplingSettings, ro.get("sampling") or {}))
+    train = known(SamplingSettings, ro.get("sampling") or {})
+    sampling = SamplingSettings(**{**train, "temperature": float(ro.get("eval_temperature", 0.7)),
+                                   "top_p": float(ro.get("eval_top_p", 1.0))})
     return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
 
 

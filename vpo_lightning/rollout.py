@@ -71,6 +71,10 @@ class RolloutCallback(L.Callback):
             on groups with signal, at most ``max_extra_rounds`` extra generation rounds per step (one process only).
         max_at_k_k: k of the max_at_k estimator, 1 <= k < group_size; null = the reference's max(2, G // 2).
             Ignored by the other estimators.
+        eval_temperature: the temperature ``vpo eval`` and ``vpo search`` sample at (training and in-loop validation
+            use ``sampling``); the reference's held-out evaluation uses 0.7 in every domain.
+        eval_top_p: the top-p of ``vpo eval`` / ``vpo search``; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use,
+            EUREQA).
     """
 
     def __init__(
@@ -91,7 +95,11 @@ class RolloutCallback(L.Callback):
         max_generated_tokens: int | None = None,
         dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings(),  # noqa: B008 - never mutated
         max_at_k_k: int | None = None,
+        eval_temperature: float = 0.7,
+        eval_top_p: float = 1.0,
     ) -> None:
+        SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
+        self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
         _validate(estimator, num_candidates, group_size, num_weights, alpha, max_at_k_k)
         self.max_at_k_k = max_at_k_k
         if max_generated_tokens is not None and max_generated_tokens < 1:

@@ -320,7 +320,7 @@ class VPOModule(L.LightningModule):
         updates = self.optim_settings.num_iterations * len(parts)
         # old log-probs of every part come from the policy before the rollout's first update
         prepared = [(part, trained, self._prepare(trained, keep_old=updates > 1)) for part, trained in parts]
-        gap_sum, gap_tokens, done, all_stats, skipped = 0.0, 0.0, 0, [], 0
+        gap_sum, gap_tokens, done, all_stats, skipped, bad_stats = 0.0, 0.0, 0, [], 0, None
         for iteration in range(self.optim_settings.num_iterations):
             for part, trained, mbs in prepared:
                 done += 1
@@ -333,9 +333,10 @@ class VPOModule(L.LightningModule):
                 else:  # drop the non-finite gradients: left in place they would poison the next update
                     self.optimizers().zero_grad(set_to_none=True)
                     ok, grad_norm = False, float("nan")
-                self._guard(ok, stats)
-                skipped += not ok
+                if not ok:  # the update is dropped; the next one starts from clean gradients
+                    skipped, bad_stats = skipped + 1, bad_stats or stats
                 all_stats.append(stats)
+        self._guard(skipped == 0, bad_stats or {})  # counts rollouts: one with a dropped update is a bad step
         keys = dict.fromkeys(k for s in all_stats for k in s)  # an update with no chain to train logs only its loss
         stats = {k: sum(s[k] for s in all_stats if k in s) / sum(k in s for s in all_stats) for k in keys}
         gap = gap_sum / gap_tokens if gap_tokens else None
@@ -344,8 +345,8 @@ class VPOModule(L.LightningModule):
         logged = {f"train/{k}": v for k, v in stats.items()}
         logged.update({f"train/{k}": v for k, v in ro.metrics.items()})
         logged.update({
-            "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(skipped),
-            "train/updates": float(updates),
+            "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(skipped > 0),
+            "train/skipped_updates": float(skipped), "train/updates": float(updates),
             "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": _peak_rss_gb(),
             "train/lr": self.lr_schedulers().get_last_lr()[0],
             "train/skipped_chains": float(len(ro.advantages) - sum(len(t.advantages) for _, t, _ in prepared)),
@@ -361,13 +362,14 @@ class VPOModule(L.LightningModule):
         self.log_dict(prog, prog_bar=True, logger=False, batch_size=1)
 
     def _guard(self, ok: bool, stats: dict[str, float]) -> None:
-        """Skip non-finite steps; stop after ``max_bad_steps`` in a row (the last good checkpoint stays)."""
+        """Count steps (rollouts) with a non-finite update (each such update was dropped, never applied); stop after
+        ``max_bad_steps`` in a row (the last good checkpoint stays)."""
         if ok:
             self._bad_steps = 0
             return
         self._bad_steps += 1
-        log.warning("non-finite loss or gradient (loss=%s): step skipped (%d in a row)", stats.get("loss"),
-                    self._bad_steps)
+        log.warning("non-finite loss or gradient (loss=%s): update dropped, a bad step (%d in a row)",
+                    stats.get("loss"), self._bad_steps)
         if self._bad_steps >= self.optim_settings.max_bad_steps:
             raise FloatingPointError(
                 f"{self._bad_steps} non-finite steps in a row (optim.max_bad_steps). The last checkpoint holds the "

@@ -311,7 +311,7 @@ class RolloutCallback(L.Callback):
         writer.add_text("samples", "\n".join(lines), global_step=trainer.global_step)
 
 
-def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None) -> None:
+def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None = None) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
     if m < 1:

@@ -89,7 +89,7 @@ if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
-    --set "rollout.sampling.temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
+    --set "rollout.eval_temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
   printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
 fi
 

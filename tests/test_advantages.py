@@ -20,6 +20,7 @@ from vpo_lightning.advantages import (
     max_at_k_contributions,
     multi_rlvr,
     random_weight_grpo,
+    restrict_weights,
     sample_weights,
     set_rewards,
     vpo_advantages,
@@ -110,18 +111,107 @@ def test_max_at_k_hand_computed():
     torch.testing.assert_close(max_at_k_contributions(scores, 2), expected)
     # the contributions sum to k * max@k = 2 * (.2 + .4 + .8 + .4 + .8 + .8) / 6 = 2 * 3.4 / 6
     assert math.isclose(float(expected.sum()), 2 * 3.4 / 6, rel_tol=1e-6)
-    # advantage: [1.4, 1.6, 1.4, 2.4] has mean 1.7, deviations [-.3, -.1, -.3, .7], std sqrt(.17)
+    # advantage: [1.4, 1.6, 1.4, 2.4] / 6 has mean 1.7 / 6, deviations [-.3, -.1, -.3, .7] / 6, and the sample
+    # std (ddof 1, as the reference's torch.std) sqrt((.09 + .01 + .09 + .49) / 3) / 6 = sqrt(.68 / 3) / 6
     rewards = scores.view(1, 4, 1, 1)  # G = 4 -> default k = max(2, 4 // 2) = 2
-    torch.testing.assert_close(max_at_k(rewards), torch.tensor([[-0.3, -0.1, -0.3, 0.7]]) / math.sqrt(0.17),
+    torch.testing.assert_close(max_at_k(rewards), torch.tensor([[-0.3, -0.1, -0.3, 0.7]]) / math.sqrt(0.68 / 3),
                                atol=ATOL, rtol=0)
 
 
 def test_gdpo_hand_computed():
-    rewards = torch.tensor([[[1.0, 0.0], [0.0, 0.0]],  # group 0: dim 0 -> [+1, -1]; dim 1 flat -> [0, 0]
-                            [[1.0, 1.0], [0.0, 0.0]]]).unsqueeze(2)  # group 1: both dims [+1, -1]
-    # summed: [[1, -1], [2, -2]]; batch mean 0, population std sqrt((1 + 1 + 4 + 4) / 4) = sqrt(2.5)
-    expected = torch.tensor([[1.0, -1.0], [2.0, -2.0]]) / math.sqrt(2.5)
+    rewards = torch.tensor([[[1.0, 0.0], [0.0, 0.0]],  # group 0: dim 0 -> a * [+1, -1]; dim 1 flat -> [0, 0]
+                            [[1.0, 1.0], [0.0, 0.0]]]).unsqueeze(2)  # group 1: both dims a * [+1, -1]
+    # per dimension, [1, 0] has mean .5 and sample std sqrt(.5) -> a = .5 / sqrt(.5) = sqrt(.5)
+    # summed: a * [[1, -1], [2, -2]]; one weight per rollout: batch mean 0, Bessel variance a^2 * 10 / 3
+    expected = torch.tensor([[1.0, -1.0], [2.0, -2.0]]) / math.sqrt(10 / 3)
     torch.testing.assert_close(gdpo(rewards), expected, atol=ATOL, rtol=0)
+
+
+def test_gdpo_whitens_token_weighted_as_the_reference():
+    rewards = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]]]).unsqueeze(2)
+    counts = torch.tensor([[3.0, 1.0], [2.0, 2.0]])  # generated tokens per rollout, T = 8
+    # summed a * [[1, -1], [2, -2]] (above); token mean a * (3 - 1 + 4 - 4) / 8 = a / 4; deviations
+    # a * [[3, -5], [7, -9]] / 4; variance a^2 * (3 * 9 + 1 * 25 + 2 * 49 + 2 * 81) / 16 / (8 - 1) = a^2 * 312 / 112
+    expected = torch.tensor([[3.0, -5.0], [7.0, -9.0]]) / 4 / math.sqrt(312 / 112)
+    torch.testing.assert_close(gdpo(rewards, token_counts=counts), expected, atol=ATOL, rtol=0)
+    # 5 tokens each: token mean 0, variance 5 * a^2 * 10 / (20 - 1) = 25 / 19 (Bessel over tokens, not rollouts)
+    expected = math.sqrt(0.5) * torch.tensor([[1.0, -1.0], [2.0, -2.0]]) / math.sqrt(25 / 19)
+    torch.testing.assert_close(gdpo(rewards, token_counts=torch.full((2, 2), 5.0)), expected, atol=ATOL, rtol=0)
+
+
+def test_grpo_uses_the_sample_std_like_the_reference():
+    rewards = torch.tensor([0.25, 0.5, 0.75, 1.0]).view(1, 4, 1, 1)
+    # mean .625, deviations [-.375, -.125, .125, .375], sample variance (2 * .140625 + 2 * .015625) / 3 = .3125 / 3
+    expected = torch.tensor([[-0.375, -0.125, 0.125, 0.375]]) / math.sqrt(0.3125 / 3)
+    torch.testing.assert_close(grpo(rewards), expected, atol=ATOL, rtol=0)
+    # VPO keeps the population std (VPO-SPEC section 3): sqrt(.3125 / 4), so its values are sqrt(4 / 3) larger
+    torch.testing.assert_close(vpo_advantages(rewards), expected * math.sqrt(4 / 3), atol=ATOL, rtol=0)
+
+
+def test_max_at_k_rejects_k_at_or_above_the_group_size_and_takes_a_set_k():
+    with pytest.raises(ValueError, match=r"k < G .* k=2, G=2"):
+        max_at_k(torch.rand(3, 2, 1, 1, generator=_gen(0)))  # default k = max(2, 2 // 2) = 2 = G
+    with pytest.raises(ValueError, match=r"k=4, G=4"):
+        max_at_k(torch.rand(1, 4, 1, 1, generator=_gen(0)), k=4)
+    scores = torch.tensor([[0.1, 0.4, 0.2, 0.8]])
+    # k = 3: the 4 triples and their maxima {.1,.4,.2}:.4, {.1,.4,.8}:.8, {.1,.2,.8}:.8, {.4,.2,.8}:.8; each sample
+    # sums the maxima of the 3 triples holding it: .1 -> 2.0, .4 -> 2.0, .2 -> 2.0, .8 -> 2.4 (all / C(4, 3) = 4)
+    # -> mean 2.1 / 4, deviations [-.1, -.1, -.1, .3] / 4, sample std sqrt(.12 / 3) / 4
+    expected = torch.tensor([[-0.1, -0.1, -0.1, 0.3]]) / math.sqrt(0.12 / 3)
+    torch.testing.assert_close(max_at_k(scores.view(1, 4, 1, 1), k=3), expected, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------- per-row D
+def test_f_baselines_average_over_the_real_dimensions_only():
+    # group 0 has 3 real dimensions of 5, group 1 all 5; padding holds garbage that must not count
+    rewards = torch.tensor([[[1.0, 0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0]],
+                            [[1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]]).unsqueeze(2)  # [2, 2, 1, 5]
+    dim_mask = torch.tensor([[True, True, True, False, False], [True] * 5])
+    # f: group 0 [2/3, 1/3] (not [4/5, 1/5]); group 1 [4/5, 0]; two rollouts, ddof 1 -> (+-d/2) / (|d| / sqrt 2)
+    expected = torch.tensor([[1.0, -1.0], [1.0, -1.0]]) / math.sqrt(2)
+    torch.testing.assert_close(grpo(rewards, dim_mask=dim_mask), expected, atol=ATOL, rtol=0)
+    # max@k with G = 3, k = 2: f of group 0 = [2/3, 1/3, 0] with the padding ignored
+    three = torch.cat([rewards[:1], torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]).view(1, 1, 1, 5)], dim=1)
+    f = torch.tensor([[2 / 3, 1 / 3, 0.0]])
+    torch.testing.assert_close(max_at_k(three, dim_mask=dim_mask[:1]), max_at_k(f.view(1, 3, 1, 1)))
+    # multi-RLVR: the garbage in dimension 3 does not make two equal real rows differ
+    chain = torch.tensor([[[[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], [[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]]])
+    # real dims 0..2: chain 0 = one unique row [1, 0, 0] (f 1/3) + its duplicate -> 1/3; chain 1: 2/3 + 0 -> 2/3
+    torch.testing.assert_close(multi_rlvr(chain, dim_mask=torch.tensor([[True, True, True, False]])),
+                               group_normalize(torch.tensor([[1 / 3, 2 / 3]])))
+
+
+def test_weights_live_on_the_real_dimensions_only():
+    weights = torch.tensor([[[0.5, 0.25, 0.25]]])  # [B=1, K=1, D=3]
+    dim_mask = torch.tensor([[True, True, False]])
+    # restricted and renormalised: [.5, .25] / .75 = [2/3, 1/3, 0]
+    torch.testing.assert_close(restrict_weights(weights, dim_mask), torch.tensor([[[2 / 3, 1 / 3, 0.0]]]))
+    rewards = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]).view(1, 2, 1, 3)
+    # w.s = [2/3, 1/3] (the padding's 1.0 in rollout 0 counts nothing): mean .5, population std 1/6 -> [+1, -1]
+    for name in ("vpo", "random_weight_grpo", "goal_conditioned_grpo"):
+        got = ESTIMATORS[name](rewards, weights=weights, dim_mask=dim_mask)
+        torch.testing.assert_close(got, torch.tensor([[1.0, -1.0]]), atol=ATOL, rtol=0)
+    # drawn weights: Dirichlet(1) over the 3 real dimensions of 5 -> mean 1/3, variance (1/3)(2/3) / 4 = 1/18
+    w = restrict_weights(sample_weights(20_000, 5, num_groups=1, generator=_gen(0)),
+                         torch.tensor([[True, False, True, True, False]]))[0]
+    assert torch.equal(w[:, [1, 4]], torch.zeros(20_000, 2))
+    torch.testing.assert_close(w[:, [0, 2, 3]].mean(0), torch.full((3,), 1 / 3), atol=0.01, rtol=0)
+    torch.testing.assert_close(w[:, [0, 2, 3]].var(0), torch.full((3,), 1 / 18), atol=0, rtol=0.06)
+
+
+def test_vpo_with_a_dim_mask_equals_vpo_on_the_real_dimensions():
+    rewards = torch.rand(2, 4, 3, 5, generator=_gen(1))
+    dim_mask = torch.tensor([[True, True, True, False, False], [True, False, True, True, True]])
+    weights = sample_weights(30, 5, num_groups=2, generator=_gen(2))
+    got = ESTIMATORS["vpo"](rewards, weights=weights, dim_mask=dim_mask)
+    for b in range(2):
+        real = dim_mask[b]
+        w = weights[b][:, real] / weights[b][:, real].sum(-1, keepdim=True)
+        torch.testing.assert_close(got[b : b + 1], vpo_advantages(rewards[b : b + 1, ..., real], weights=w))
+    # without weights it draws with the generator exactly as vpo_advantages does, then restricts
+    torch.testing.assert_close(ESTIMATORS["vpo"](rewards, num_weights=30, generator=_gen(2), dim_mask=dim_mask), got)
+    with pytest.raises(ValueError, match="at least one real dimension"):
+        grpo(rewards[:, :, :1], dim_mask=torch.tensor([[True] * 5, [False] * 5]))
 
 
 # ----------------------------------------------------------------------------------------------- properties
@@ -141,7 +231,8 @@ def test_max_at_k_equals_brute_force_enumeration(scores, data):
 def test_max_at_k_default_k_is_half_the_group():
     scores = torch.rand(2, 8, generator=_gen(3))
     brute = torch.tensor([_brute_max_at_k(row.tolist(), 4) for row in scores])  # k = max(2, 8 // 2) = 4
-    torch.testing.assert_close(max_at_k(scores.view(2, 8, 1, 1)), group_normalize(brute), atol=1e-5, rtol=0)
+    expected = (brute - brute.mean(1, keepdim=True)) / (brute.std(1, keepdim=True) + 1e-6)  # sample std
+    torch.testing.assert_close(max_at_k(scores.view(2, 8, 1, 1)), expected, atol=1e-5, rtol=0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -159,6 +250,7 @@ def test_set_reward_invariant_to_permuting_and_duplicating_candidates(rewards, d
 @settings(max_examples=30, deadline=None)
 @given(row=reward_tensors(max_g=1, m=1), g=st.integers(1, 6), name=st.sampled_from(sorted(ESTIMATORS)))
 def test_constant_group_gets_zero_advantage(row, g, name):
+    g = max(g, 3) if name == "max_at_k" else g  # max@k needs G > k = max(2, G // 2)
     rewards = row.expand(-1, g, -1, -1)  # every rollout of each group identical
     assert torch.equal(ESTIMATORS[name](rewards, generator=_gen(0)), torch.zeros(rewards.shape[:2]))
 
@@ -168,7 +260,9 @@ def test_constant_group_gets_zero_advantage(row, g, name):
 def test_vpo_with_one_answer_and_one_dimension_is_grpo(rewards):
     expected = group_normalize(rewards[:, :, 0, 0])  # every weight on the 1-simplex is [1]
     torch.testing.assert_close(vpo_advantages(rewards, generator=_gen(0)), expected)
-    torch.testing.assert_close(grpo(rewards), expected)
+    g = rewards.shape[1]  # GRPO divides by the sample std, sqrt(G / (G - 1)) times the population std
+    grpo_expected = expected * math.sqrt((g - 1) / g) if g > 1 else torch.zeros_like(expected)
+    torch.testing.assert_close(grpo(rewards), grpo_expected, atol=1e-5, rtol=1e-4)
 
 
 def test_sample_weights_simplex_moments_and_reproducibility():

@@ -15,7 +15,6 @@ from vpo_lightning.tasks.code import (
     build_program,
     code_tests_reward,
     extract_code,
-    fill_dims,
     load_humaneval,
     make_record,
     run_tests,
@@ -77,7 +76,8 @@ def test_reference_solutions_score_all_ones(problems: dict[str, dict]) -> None:
     ]
     results = score_candidates(candidates, records, max_workers=2)
     assert all(all(r) for r in results), results
-    assert code_tests_reward(candidates[0], records[0]) == [1.0] * NUM_TEST_DIMS
+    # D = the record's number of tests (HumanEval/0 has 7), not 16
+    assert code_tests_reward(candidates[0], records[0]) == [1.0] * 7 == [1.0] * len(records[0]["ground_truth"]["tests"])
 
 
 def test_wrong_solution_scores_partially(problems: dict[str, dict]) -> None:
@@ -92,20 +92,15 @@ GARBAGE = ["", "   ", "asdf qwer (", "```python\n```", "The answer is 42.", "```
 
 @pytest.mark.parametrize("candidate", GARBAGE)
 def test_garbage_scores_zero_without_a_process(problems: dict[str, dict], candidate: str) -> None:
-    record = make_record(problems["HumanEval/2"], "test")
+    record = make_record(problems["HumanEval/2"], "test")  # 3 tests
     start = time.monotonic()
-    assert code_tests_reward(candidate, record) == [0.0] * NUM_TEST_DIMS
+    assert code_tests_reward(candidate, record) == [0.0] * 3
     assert time.monotonic() - start < 0.5
 
 
 def test_stub_returning_none_scores_zero(problems: dict[str, dict]) -> None:
     record = make_record(problems["HumanEval/2"], "test")
-    assert code_tests_reward("    pass\n", record) == [0.0] * NUM_TEST_DIMS
-
-
-def test_fill_dims() -> None:
-    assert fill_dims([True, False, True]) == [1.0, 0.0, 1.0] * 5 + [1.0]
-    assert fill_dims([]) == [0.0] * 16 and len(fill_dims([True] * 16)) == 16
+    assert code_tests_reward("    pass\n", record) == [0.0] * 3
 
 
 def test_build_program_modes(problems: dict[str, dict]) -> None:
@@ -173,10 +168,37 @@ def test_reward_vector_scores_chains_in_parallel(problems: dict[str, dict]) -> N
     good = problems["HumanEval/2"]["canonical_solution"]
     bad = "    return number - int(number) if number > 100 else 0.5\n"  # passes tests 0 and 2, fails test 1
     scores = RewardVector(["code_tests"], max_workers=2).score([[good, bad], [None, "garbage ("]], [record, record])
+    # the batch tensor keeps 16 columns, but the record's D is 3: columns 3..15 are padding (0, masked out)
     assert scores.rewards.shape == (2, 2, 16) and scores.num_errors == 0
-    assert scores.rewards[0, 0].tolist() == [1.0] * 16 and scores.rewards[1].sum() == 0
-    assert scores.rewards[0, 1].tolist() == fill_dims([True, False, True])
+    assert scores.dim_mask.tolist() == [[True] * 3 + [False] * 13] * 2 and int(scores.dim_mask[0].sum()) == 3
+    assert scores.rewards[0, 0].tolist() == [1.0] * 3 + [0.0] * 13 and scores.rewards[1].sum() == 0
+    assert scores.rewards[0, 1].tolist() == [1.0, 0.0, 1.0] + [0.0] * 13
     assert scores.mask.tolist() == [[True, True], [False, True]]
+
+
+def test_a_three_test_record_has_d_3_and_unequal_weights_score_as_the_spec_says(problems: dict[str, dict]) -> None:
+    """D = 3 for a 3-test problem: with weights w over its 3 tests, a candidate passing tests 0 and 2 scores
+    w0 + w2 (VPO-SPEC section 3), where the old rule (tests repeated to 16 dims) gave test 0 weight 6/16."""
+    import torch
+
+    from vpo_lightning.advantages import ESTIMATORS, restrict_weights, set_rewards
+    from vpo_lightning.rewards import RewardVector
+
+    record = make_record(problems["HumanEval/2"], "test")
+    good = problems["HumanEval/2"]["canonical_solution"]
+    bad = "    return number - int(number) if number > 100 else 0.5\n"  # passes tests 0 and 2
+    scores = RewardVector(["code_tests"], max_workers=2).score([[bad], [good]], [record, record])
+    rewards, dim_mask = scores.rewards.view(1, 2, 1, 16), scores.dim_mask[:1]  # one group, G = 2
+    weights = torch.zeros(1, 2, 16)  # K = 2 weight vectors over the 16 columns, mass on the padding too
+    weights[0, 0, :3], weights[0, 0, 3:] = torch.tensor([0.2, 0.5, 0.3]), 1.0
+    weights[0, 1, :3] = torch.tensor([0.6, 0.1, 0.3])
+    w = restrict_weights(weights, dim_mask)  # the padding's mass is dropped: rows [.2, .5, .3] and [.6, .1, .3]
+    torch.testing.assert_close(w[0, :, :3], torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]]))
+    # bad: (w0 + w2) averaged over K = ((.2 + .3) + (.6 + .3)) / 2 = .7; good: 1
+    torch.testing.assert_close(set_rewards(rewards, w), torch.tensor([[0.7, 1.0]]))
+    # GRPO's f is the mean over the 3 real tests: bad 2/3, good 1 -> two rollouts, sample std: [-1, 1] / sqrt 2
+    torch.testing.assert_close(ESTIMATORS["grpo"](rewards, dim_mask=dim_mask), torch.tensor([[-1.0, 1.0]]) / 2**0.5,
+                               atol=1e-4, rtol=0)
 
 
 def test_compiling_model_code_prints_no_syntax_warnings():

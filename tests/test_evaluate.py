@@ -273,3 +273,24 @@ def test_from_samples_equals_a_smaller_evaluation(tmp_path, script_generation, t
     with pytest.raises(SystemExit) as err:  # asks for more solutions than the source has
         vpo(["eval", "--from_samples", str(tmp_path / "six"), "--n", "9", "--out", str(tmp_path / "x")])
     assert err.value.code == 2 and "more than the 6 solutions" in capsys.readouterr().err
+
+
+def test_metrics_read_a_records_real_dimensions_only():
+    """A 3-test code record in a 4-column batch: a solution passing its 3 tests solves it (the padding column does
+    not count as a failed test), best@k's f is the mean over 3, and per-dimension means skip the padded prompt."""
+    from vpo_lightning.evaluate import PromptPool, aggregate_metrics, prompt_metrics
+
+    three = PromptPool({"id": "three"}, torch.tensor([[[1.0, 1.0, 1.0, 0.0]], [[1.0, 0.0, 0.0, 0.0]]]),
+                       torch.ones(2, 1, dtype=torch.bool), ["a", "b"], 2, 0, torch.tensor([True, True, True, False]))
+    four = PromptPool({"id": "four"}, torch.tensor([[[1.0, 1.0, 1.0, 1.0]], [[0.0, 0.0, 0.0, 1.0]]]),
+                      torch.ones(2, 1, dtype=torch.bool), ["a", "b"], 2, 0, None)
+    per = [prompt_metrics(p, seed=0, orders=4) for p in (three, four)]
+    assert per[0]["num_solved"] == 1 and per[0]["pass_at_k"] == [0.5, 1.0]
+    assert per[0]["best_at_k"][1] == 1.0 and sorted(per[0]["rewards"][1]) == [0.0, 0.0, 0.0, 1.0]
+    assert per[0]["real_dims"] == [True, True, True, False] and per[1]["real_dims"] is None
+    agg = aggregate_metrics([three, four], per, ["t0", "t1", "t2", "t3"], seed=0)
+    assert agg["solved_fraction"] == 0.5  # one solver in each pool of 2
+    # t0: (1 + 1) / 2 and (1 + 0) / 2 -> mean .75; t3 is real only for "four": (1 + 1) / 2 = 1
+    assert agg["mean_reward"] == {"t0": 0.75, "t1": 0.5, "t2": 0.5, "t3": 1.0}
+    assert agg["expected_best_weighted"] == pytest.approx((per[0]["expected_best_weighted"]
+                                                           + per[1]["expected_best_weighted"]) / 2)

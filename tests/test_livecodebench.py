@@ -144,7 +144,7 @@ def test_stdin_rewards_per_test(records):
     only_small = "import sys\nn = int(input())\nif n > 2:\n    sys.exit(1)\n" + SUM_OK.split("\n", 1)[1]
     assert run_tests(_fenced(only_small), record["ground_truth"]) == [True, True, False, False, True]
     reward = lcb_reward(_fenced(only_small), record)
-    assert reward == [1.0, 1.0, 0.0, 0.0, 1.0] * 3 + [1.0]  # 16 dims: dimension i is test i mod 5
+    assert reward == [1.0, 1.0, 0.0, 0.0, 1.0]  # D = the record's 5 tests, not 16
 
 
 def test_stdin_decimal_outputs(records):
@@ -185,7 +185,7 @@ def test_timeouts_fail_only_their_tests(records):
 @pytest.mark.parametrize("answer", ["", "no code here", "```python\n\n```", "```python\ndef (:\n```", None,
                                     "```python\nprint(open('/etc/passwd').read())\n```"])
 def test_malformed_answers_score_zero(answer, records):
-    assert lcb_reward(answer, records["lcb-abc900_a"]) == [0.0] * 16  # type: ignore[arg-type]
+    assert lcb_reward(answer, records["lcb-abc900_a"]) == [0.0] * 5  # type: ignore[arg-type]
 
 
 def test_helpers():

@@ -110,6 +110,67 @@ def test_training_step_updates_lora_only():
     assert any("lora_A" in n for n in changed)
 
 
+def _trainable(module: VPOModule, logged: dict) -> None:
+    opt = module.configure_optimizers()
+    module.trainer = SimpleNamespace(world_size=1)  # the pieces of the trainer the step touches
+    module.optimizers = lambda: opt["optimizer"]
+    module.lr_schedulers = lambda: opt["lr_scheduler"]["scheduler"]
+    module.manual_backward = lambda loss: loss.backward()
+    module.log_dict = lambda values, **k: logged.update(values)
+
+
+def test_defaults_follow_the_reference():
+    """verl as the paper ran it (PAPER_REPRO.md section 2): dual-clip c = 3, AdamW weight decay 0.01, 2 mini-batch
+    updates per rollout (train batch 128 x 8 with mini-batch 64)."""
+    from vpo_lightning.module import LossSettings, OptimSettings
+
+    assert LossSettings().dual_clip == 3.0
+    assert OptimSettings().weight_decay == 0.01 and OptimSettings().mini_batches == 2
+    module = _module(lr=1e-3)
+    assert module.configure_optimizers()["optimizer"].param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(ValueError, match="optim.mini_batches must be a positive int"):
+        OptimSettings(mini_batches=0)
+
+
+def test_second_mini_batch_update_sees_a_ratio_against_the_pre_update_policy(monkeypatch):
+    """With 2 updates per rollout the second half's old log-probs are the policy's before the first update, so its
+    PPO ratio differs from 1 (and the clip can act); with 1 update the ratio is exactly 1."""
+    import vpo_lightning.module as module_mod
+
+    calls = []
+    real = module_mod.policy_loss
+
+    def recording(logp, old, adv, mask, *args, **kwargs):
+        calls.append((logp.detach().clone(), old.detach().clone(), mask.clone()))
+        return real(logp, old, adv, mask, *args, **kwargs)
+
+    monkeypatch.setattr(module_mod, "policy_loss", recording)
+    logged: dict = {}
+    module = _module(lr=5e-2, mini_batches=2, micro_batch_size=100)
+    ro = _rollout(module, n_prompts=2, group=3)  # 6 chains -> parts of chains 0..2 and 3..5
+    [mb] = _micro_batches(ro, 100)
+    with torch.no_grad():
+        before = module.completion_logprobs(module.policy, mb, 1.0)  # [6, L] the policy that sampled
+    _trainable(module, logged)
+    module.training_step({"rollout": ro, "records": []}, 0)
+    assert len(calls) == 2 and logged["train/updates"] == 2.0
+    (logp1, old1, m1), (logp2, old2, m2) = calls
+    torch.testing.assert_close(old1[m1.bool()], logp1[m1.bool()])  # first update: ratio exactly 1
+    second = module._mini_batch_parts(ro)[1][0]  # chains 3..5
+    [mb2] = _micro_batches(second, 100)
+    rows = [int(r) for r in (torch.arange(6)[3:])[mb2["index"]]]  # the second part's chains in ro's numbering
+    row_of = {int(i): n for n, i in enumerate(mb["index"])}
+    expected = torch.stack([before[row_of[r], : old2.shape[1]] for r in rows])
+    on = m2.bool()
+    torch.testing.assert_close(old2[on], expected[on], rtol=1e-5, atol=1e-5)  # old = the pre-update policy
+    assert (logp2[on] - old2[on]).abs().max() > 1e-4  # the first update moved them: ratio != 1
+    logged.clear()
+    single = _module(lr=5e-2, mini_batches=1)
+    _trainable(single, logged)
+    single.training_step({"rollout": _rollout(single, n_prompts=2, group=3), "records": []}, 0)
+    assert logged["train/updates"] == 1.0 and logged["train/ratio_min"] == logged["train/ratio_max"] == 1.0
+
+
 def test_transformers_engine_generates_group_contiguous_chains():
     """Chains n = 0..G-1 continue prompt 0 and G..2G-1 prompt 1: with greedy sampling (top_k = 1) every chain equals
     its own prompt's continuation generated alone, and the two prompts' continuations differ."""

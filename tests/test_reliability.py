@@ -80,7 +80,7 @@ def _changed(module: VPOModule, before: dict[str, torch.Tensor]) -> bool:
 
 
 def test_non_finite_loss_skips_the_step_logs_it_and_does_not_poison_the_next(caplog):
-    module = _module()
+    module = _module(mini_batches=1)  # one update per rollout: the NaN reaches the step's only update
     before = _lora(module)
     bad = _rollout(module, torch.tensor([1.0, float("nan"), -1.0, 0.5]))
     with caplog.at_level(logging.WARNING, logger="vpo_lightning.module"):
@@ -94,6 +94,18 @@ def test_non_finite_loss_skips_the_step_logs_it_and_does_not_poison_the_next(cap
     module.training_step({"rollout": good, "records": []}, 1)  # the NaN gradients must not leak into this step
     assert module.logged[-1]["train/skipped_steps"] == 0.0 and module._bad_steps == 0
     assert _changed(module, before)
+    assert all(bool(torch.isfinite(p).all()) for p in module.policy.parameters())
+
+
+def test_with_two_mini_batches_only_the_non_finite_update_is_dropped():
+    """The NaN chain sits in the first half: that update is dropped, the second half's still applies; the rollout
+    counts as one bad step (max_bad_steps counts rollouts, not updates)."""
+    module = _module()  # the default: 2 updates per rollout
+    before = _lora(module)
+    module.training_step({"rollout": _rollout(module, torch.tensor([1.0, float("nan"), -1.0, 0.5])), "records": []}, 0)
+    last = module.logged[-1]
+    assert last["train/updates"] == 2.0 and last["train/skipped_updates"] == 1.0 and last["train/skipped_steps"] == 1.0
+    assert module._bad_steps == 1 and _changed(module, before)
     assert all(bool(torch.isfinite(p).all()) for p in module.policy.parameters())
 
 

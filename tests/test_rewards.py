@@ -151,3 +151,39 @@ def test_builtin_tasks_are_found_from_the_tasks_folder():
     assert get_reward("musique").f_weights == (1.0, 1.0, 1.0, 1.0, 3.0) and get_reward("maze").f_weights is None
     assert get_reward("maze").dims == ("exit", "gold", "diamond", "safety")
     assert len(get_reward("code_tests").dims) == 16 and get_reward("code_tests").parallel
+
+
+def test_a_failing_reward_zeroes_the_whole_candidate(module):
+    """VPO-SPEC section 3: a reward that raises (or returns an invalid value) makes the candidate score 0, on the
+    other rewards' dimensions too."""
+    module.length = _length
+    module.picky = lambda candidate, sample: 1 / 0 if candidate.startswith("x") else 1.0
+    vector = RewardVector(["reward_fixture_mod.length", "reward_fixture_mod.picky"])
+    scores = vector.score([["12345", "x2345", "12345678"]], [{}])
+    # "12345": [.5, 1]; "x2345" would have length .5 but picky raised -> [0, 0]; "12345678": [.8, 1]
+    torch.testing.assert_close(scores.rewards[0], torch.tensor([[0.5, 1.0], [0.0, 0.0], [0.8, 1.0]]))
+    assert scores.mask[0].tolist() == [True, True, True] and scores.num_errors == 1
+
+
+def test_a_reward_with_per_record_dimensions_pads_and_masks(module):
+    def tests_passed(candidate, sample):
+        return [1.0 if c == "1" else 0.0 for c in candidate[: len(sample["tests"])]]
+
+    register("fixture_tests", dims=[f"t{i}" for i in range(4)], real_dims=lambda s: len(s["tests"]))(tests_passed)
+    module.length = _length
+    vector = RewardVector(["fixture_tests", "reward_fixture_mod.length"])
+    samples = [{"id": "three", "tests": ["a", "b", "c"]}, {"id": "four", "tests": ["a", "b", "c", "d"]}]
+    scores = vector.score([["101"], ["0110"]], samples)
+    # record "three" has D = 3 real test dimensions (+ length): its 4th test dimension is padding, scored 0
+    assert scores.dim_mask.tolist() == [[True, True, True, False, True], [True] * 5]
+    expected = torch.tensor([[1.0, 0.0, 1.0, 0.0, 0.3], [0.0, 1.0, 1.0, 0.0, 0.4]])
+    torch.testing.assert_close(scores.rewards[:, 0], expected)
+    assert RewardVector(["reward_fixture_mod.length"]).score([["1"]], [{}]).dim_mask is None  # fixed D: no mask
+    with pytest.raises(ValueError, match=r"record 'none' has 0 real dimensions; it must have 1..4"):
+        vector.score([["1"]], [{"id": "none", "tests": []}])
+
+
+def test_a_reward_returning_its_full_width_for_a_smaller_record_is_a_declaration_error(module):
+    register("fixture_wide", dims=["a", "b", "c"], real_dims=lambda s: 2)(lambda candidate, sample: [1.0] * 3)
+    with pytest.raises(RewardDeclarationError, match=r"returned 3 values .* \(2 real for record 'r'\)"):
+        RewardVector(["fixture_wide"]).score([["x"]], [{"id": "r"}])

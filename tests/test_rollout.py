@@ -72,10 +72,64 @@ def test_goal_conditioned_shows_weights_and_random_weight_does_not(module):
     cb = _callback([GOOD], estimator="goal_conditioned_grpo")
     cb.rollout(module, _batch(1), step=3)
     shown = module.tokenizer.decode(cb.engine.prompts[0][0])
-    assert "Objective weights" in shown and "tool_name=" in shown
+    w = cb.protocol.step_weights([0], step=3, records=_batch(1)["records"])[0, 0].tolist()
+    # the reference's wording (vpo/augment.py) and objective phrases (vpo_tasks/tool.py), weights to 2 decimals
+    suffix = ("Your objective weights (higher = more important to optimize):\n"
+              f"- Producing a well-formed structured response: {w[0]:.2f}\n- Calling the right tools: {w[1]:.2f}\n"
+              f"- Filling in the right argument keys: {w[2]:.2f}\n- Using the right argument values: {w[3]:.2f}\n\n"
+              "Maximize your weighted score.")
+    assert suffix in shown
     cb = _callback([GOOD], estimator="random_weight_grpo")
     cb.rollout(module, _batch(1), step=3)
-    assert "Objective weights" not in module.tokenizer.decode(cb.engine.prompts[0][0])
+    assert "objective weights" not in module.tokenizer.decode(cb.engine.prompts[0][0])
+
+
+@pytest.mark.parametrize("estimator", ["random_weight_grpo", "goal_conditioned_grpo"])
+def test_weighted_baselines_fix_w_per_training_row(module, estimator):
+    """The reference keys these weights on (seed, row): the same row gets the same w at every step; VPO's differ."""
+    cb = _callback([GOOD, WRONG], estimator=estimator)
+    records = _batch(3)["records"]
+    at_1, at_9 = cb.protocol.step_weights([0, 1, 2], 1, records), cb.protocol.step_weights([0, 1, 2], 9, records)
+    assert at_1.shape == (3, 1, 4) and torch.equal(at_1, at_9)
+    assert not torch.equal(at_1[0], at_1[1])  # different rows, different weights
+    # keyed by record id: the same record at another position of another batch draws the same w
+    torch.testing.assert_close(cb.protocol.step_weights([7], 5, [records[2]])[0], at_1[2])
+    # and the rollout shows / uses them: the prompts of one row at two steps are identical
+    cb.rollout(module, _batch(1), step=1)
+    first = cb.engine.prompts[-1][0]
+    cb.rollout(module, _batch(1), step=9)
+    assert cb.engine.prompts[-1][0] == first
+    assert not torch.equal(_callback([GOOD], estimator="vpo").protocol.step_weights([0], 1, records[:1]),
+                           _callback([GOOD], estimator="vpo").protocol.step_weights([0], 9, records[:1]))
+
+
+def test_max_at_k_group_size_and_k_are_checked_and_k_is_used(module):
+    with pytest.raises(ValueError, match=r"default k = max\(2, G // 2\) = 2 with group_size=2"):
+        RolloutCallback(rewards=["format"], estimator="max_at_k", group_size=2)
+    with pytest.raises(ValueError, match=r"rollout.max_at_k_k=4 with group_size=4"):
+        RolloutCallback(rewards=["format"], estimator="max_at_k", group_size=4, max_at_k_k=4)
+    with pytest.raises(ValueError, match="max_at_k_k must be null or a positive int"):
+        RolloutCallback(rewards=["format"], estimator="max_at_k", group_size=4, max_at_k_k=0)
+    from vpo_lightning.advantages import max_at_k
+
+    partial = '<think>ok</think>\n<tool_call>\n{"name": "get_weather", "parameters": {"city": "Rome"}}\n</tool_call>'
+    cb = _callback([GOOD, WRONG, partial, "nothing"], estimator="max_at_k", max_at_k_k=3)
+    ro = cb.rollout(module, _batch(1), step=0)
+    expected = max_at_k(ro.rewards.view(1, 4, 1, 4), ro.candidate_mask.view(1, 4, 1), k=3).view(-1)
+    torch.testing.assert_close(ro.advantages, expected)
+    assert not torch.allclose(expected, max_at_k(ro.rewards.view(1, 4, 1, 4), ro.candidate_mask.view(1, 4, 1)).view(-1))
+
+
+def test_gdpo_rollout_whitens_by_generated_tokens(module):
+    from vpo_lightning.advantages import gdpo
+
+    cb = _callback([GOOD, WRONG + " and a much longer tail of text " * 3, "x", GOOD + " ok"], estimator="gdpo")
+    ro = cb.rollout(module, _batch(2), step=0)
+    counts = ro.completion_mask.sum(1).view(2, 4)  # generated tokens per chain
+    assert len(set(counts.flatten().tolist())) > 1
+    expected = gdpo(ro.rewards.view(2, 4, 1, 4), ro.candidate_mask.view(2, 4, 1), token_counts=counts).view(-1)
+    torch.testing.assert_close(ro.advantages, expected)
+    assert not torch.allclose(expected, gdpo(ro.rewards.view(2, 4, 1, 4), ro.candidate_mask.view(2, 4, 1)).view(-1))
 
 
 def test_weights_are_keyed_by_step_and_prompt_not_by_batch_layout():

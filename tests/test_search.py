@@ -39,6 +39,14 @@ def _search(*args: str) -> dict:
     return json.loads((Path(args[args.index("--out") + 1]) / "search.json").read_text())
 
 
+def _num_tests(task_id: str) -> int:
+    from vpo_lightning.datamodule import read_jsonl
+
+    code = Path(__file__).resolve().parents[1] / "data" / "code"
+    records = {r["id"]: r for split in ("train", "val", "test") for r in read_jsonl(code / f"{split}.jsonl")}
+    return min(len(records[task_id]["ground_truth"]["tests"]), 16)
+
+
 def test_chains_for():
     assert [chains_for(16, 1), chains_for(16, 3), chains_for(15, 3), chains_for(1, 3)] == [16, 6, 5, 1]
 
@@ -50,7 +58,8 @@ def test_search_tiny_model_end_to_end(tmp_path, tiny_model_dir):
     assert r["chains_per_problem"] == 2 and r["num_prompts"] == 2 and r["dim_names"][0] == "test_0"
     for p in r["problems"]:
         assert p["chains"] == 2 and p["candidates_generated"] == 4 and p["candidates_used"] == 4  # 6 slots, 4 count
-        assert len(p["best_reward"]) == 16 and isinstance(p["solved"], bool)
+        tests = _num_tests(p["id"])  # D = the problem's number of tests (at most 16), not a padded 16
+        assert len(p["best_reward"]) == tests <= 16 and isinstance(p["solved"], bool)
     agg = r["aggregate"]
     assert len(agg["solved_by_k"]) == 4 and 0 <= agg["solved_fraction"] <= 1
     assert agg["solved_fraction"] == sum(p["solved"] for p in r["problems"]) / 2
@@ -86,7 +95,7 @@ def test_rejection_stops_at_first_solver(tmp_path, tiny_model_dir, scripted):
     by_id = {p["id"]: p for p in r["problems"]}
     first, second = by_id["HumanEval/1"], by_id["HumanEval/2"]
     assert first["solved"] and first["first_solved_at"] == 3 and first["candidates_used"] == 3
-    assert first["best_reward"] == [1.0] * 16 and first["best_candidate"].startswith("```python")
+    assert first["best_reward"] == [1.0] * _num_tests("HumanEval/1") and first["best_candidate"].startswith("```python")
     assert not second["solved"] and second["candidates_used"] == 5 and second["first_solved_at"] is None
     assert calls[0] == 3 and calls[1] == 5  # problem 0 got no generation after it was solved
     assert r["m"] == 1 and r["chains_per_problem"] == 5

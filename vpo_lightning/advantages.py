@@ -4,6 +4,16 @@ Shapes: B prompts, G chains (rollouts) per prompt, m candidates per chain, D rew
 Every estimator in :data:`ESTIMATORS` takes ``rewards [B, G, m, D]`` in [0, 1] (+ an optional presence mask
 ``[B, G, m]``) and returns one advantage per rollout, ``[B, G]``, that the loss applies to every generated token.
 Single-answer methods receive m = 1. Nothing here loops in Python over B, G, m, K or D.
+
+Per-row D. A batch may mix records with different numbers of real dimensions (code tasks: one per test, at most 16).
+The tensor then has the widest D and every estimator takes ``dim_mask [B, D]`` (True = a real dimension of that
+group's record): padding dimensions are zeroed, the scalar f is the mean over the real dimensions only, and Dirichlet
+weights live on the real dimensions only (a Dirichlet draw restricted to a subset of coordinates and renormalised
+is exactly Dirichlet over that subset). ``dim_mask=None`` means every dimension is real.
+
+Normalisation follows the reference (``verl/verl/trainer/ppo/core_algos.py``): VPO's and the weighted baselines'
+group z-norm use the population std (ddof 0, VPO-SPEC section 3); GRPO, max@k and GDPO's per-dimension step use the
+sample std (ddof 1); GDPO's batch whitening is token-weighted.
 """
 
 from __future__ import annotations
@@ -24,9 +34,11 @@ __all__ = [
     "grpo",
     "max_at_k",
     "max_at_k_contributions",
+    "max_at_k_default",
     "multi_rlvr",
     "random_weight_grpo",
     "sample_weights",
+    "restrict_weights",
     "set_rewards",
     "vpo_advantages",
 ]
@@ -79,13 +91,59 @@ def _masked(rewards: Tensor, mask: Tensor | None) -> Tensor:
     return rewards if mask is None else rewards * mask.unsqueeze(-1).to(rewards.dtype)  # [B, G, m, D]
 
 
-def _znorm(x: Tensor, dim: int, eps: float) -> Tensor:
-    """(x - mean) / (std + eps) along ``dim``, population std; a slice whose std < eps is all zeros."""
-    if x.numel() == 0:
+def _znorm(x: Tensor, dim: int, eps: float, correction: int = 0) -> Tensor:
+    """(x - mean) / (std + eps) along ``dim``; std with ``correction`` (0 = population, 1 = sample std).
+
+    A slice whose std < eps is all zeros, and so is a slice too short for the correction (one rollout under ddof 1:
+    no baseline, no signal; the reference's GRPO would give it r / (1 + eps))."""
+    if x.numel() == 0 or x.shape[dim] <= correction:
         return torch.zeros_like(x)
     mean = x.mean(dim=dim, keepdim=True)
-    std = x.std(dim=dim, correction=0, keepdim=True)
+    std = x.std(dim=dim, correction=correction, keepdim=True)
     return torch.where(std < eps, torch.zeros_like(x), (x - mean) / (std + eps))
+
+
+def _check_dim_mask(dim_mask: Tensor | None, rewards: Tensor) -> Tensor | None:
+    """Validate ``dim_mask [B, D]`` (True = a real dimension of the group's record, at least one per group)."""
+    if dim_mask is None:
+        return None
+    b, d = rewards.shape[0], rewards.shape[-1]
+    if not isinstance(dim_mask, Tensor) or tuple(dim_mask.shape) != (b, d):
+        got = tuple(dim_mask.shape) if isinstance(dim_mask, Tensor) else type(dim_mask).__name__
+        raise ValueError(f"dim_mask must be a tensor of shape [B, D] = {(b, d)}, got {got}")
+    if dim_mask.dtype != torch.bool and not ((dim_mask == 0) | (dim_mask == 1)).all():
+        raise ValueError("dim_mask must be bool (True = a real dimension) or hold only 0 and 1")
+    dim_mask = dim_mask.to(device=rewards.device, dtype=torch.bool)
+    if b and not dim_mask.any(dim=1).all():
+        raise ValueError("dim_mask must mark at least one real dimension in every group")
+    return dim_mask
+
+
+def _real_only(rewards: Tensor, dim_mask: Tensor | None) -> Tensor:
+    """Padding dimensions set to 0 (whatever a reward wrote there), so they never count. ``[B, G, m, D]``."""
+    return rewards if dim_mask is None else rewards * dim_mask[:, None, None, :].to(rewards.dtype)
+
+
+def _f(rewards: Tensor, dim_mask: Tensor | None) -> Tensor:
+    """The GRPO scalar f: the mean over the real dimensions, ``[B, G, m, D] -> [B, G, m]``."""
+    if dim_mask is None:
+        return rewards.mean(dim=-1)
+    real = dim_mask[:, None, None, :].to(rewards.dtype)  # [B, 1, 1, D]
+    return (rewards * real).sum(dim=-1) / real.sum(dim=-1)
+
+
+def restrict_weights(weights: Tensor, dim_mask: Tensor) -> Tensor:
+    """Weights ``[B or 1, K, D]`` restricted to each group's real dimensions ``dim_mask [B, D]`` and renormalised.
+
+    For w ~ Dirichlet(alpha * 1_D) the restriction w_S / sum(w_S) is exactly Dirichlet(alpha * 1_S) (the Gamma
+    construction), so padding never carries weight and the draw stays uniform over the real dimensions. A row with
+    no mass on the real dimensions (possible only for hand-given weights) becomes uniform over them. ``[B, K, D]``.
+    """
+    real = dim_mask[:, None, :].to(weights.dtype)  # [B, 1, D]
+    w = weights * real  # [B, K, D]
+    total = w.sum(dim=-1, keepdim=True)  # [B, K, 1]
+    uniform = (real / real.sum(dim=-1, keepdim=True)).expand_as(w)  # [B, K, D]
+    return torch.where(total > 0, w / total.clamp_min(torch.finfo(w.dtype).tiny), uniform)
 
 
 # ----------------------------------------------------------------------------------------------- VPO core
@@ -211,58 +269,87 @@ def vpo_advantages(rewards: Tensor, mask: Tensor | None = None, *, weights: Tens
     return _znorm(_set_rewards(rewards, weights, mask), dim=1, eps=eps)  # [B, G]
 
 
-# ----------------------------------------------------------------------------------------------- baselines
+# ----------------------------------------------------------------------------------------------- estimators
+def _vpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
+         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
+         dim_mask: Tensor | None = None) -> Tensor:
+    """:func:`vpo_advantages` as the estimator table calls it: with ``dim_mask [B, D]``, the weights (given, or
+    drawn per group with ``generator`` exactly as :func:`vpo_advantages` draws them) are restricted to each group's
+    real dimensions (:func:`restrict_weights`) and padding dimensions are zeroed. ``[B, G, m, D] -> [B, G]``."""
+    checked, _ = _check_rewards(rewards, mask)
+    dim_mask = _check_dim_mask(dim_mask, checked)
+    if dim_mask is None:
+        return vpo_advantages(rewards, mask, weights=weights, num_weights=num_weights, alpha=alpha, eps=eps,
+                              generator=generator)
+    b, d = checked.shape[0], checked.shape[-1]
+    if weights is None:
+        weights = sample_weights(num_weights, d, alpha, num_groups=b, generator=generator)  # [B, K, D]
+    weights = restrict_weights(_check_weights(weights, b, d, checked), dim_mask)  # [B, K, D]
+    return vpo_advantages(_real_only(checked, dim_mask), mask, weights=weights, eps=eps)
+
+
 def grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
-         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None) -> Tensor:
-    """GRPO: f(s) = mean of the D components, z-normalised within the group. ``rewards [B, G, 1, D] -> [B, G]``.
+         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
+         dim_mask: Tensor | None = None) -> Tensor:
+    """GRPO: f(s) = mean of the real dimensions, z-normalised within the group with the sample std (ddof 1, as the
+    reference's ``torch.std``). ``rewards [B, G, 1, D] -> [B, G]``.
 
     ``weights``, ``num_weights``, ``alpha`` and ``generator`` are accepted for the shared signature and unused.
     """
     rewards, mask = _check_rewards(rewards, mask, single="grpo")
-    return group_normalize(_masked(rewards, mask).mean(dim=-1).squeeze(2), eps)  # [B, G]
+    dim_mask = _check_dim_mask(dim_mask, rewards)
+    return _znorm(_f(_masked(rewards, mask), dim_mask).squeeze(2), dim=1, eps=eps, correction=1)  # [B, G]
 
 
 def multi_rlvr(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,
                num_weights: int = 100, alpha: float = 1.0, eps: float = 1e-6,
-               generator: torch.Generator | None = None) -> Tensor:
-    """Multi-RLVR: per chain, the sum of f over de-duplicated candidate rows, then group z-norm.
+               generator: torch.Generator | None = None, dim_mask: Tensor | None = None) -> Tensor:
+    """Multi-RLVR: per chain, the sum of f over de-duplicated candidate rows, then group z-norm (ddof 0).
 
-    A candidate whose reward vector exactly equals that of an earlier present candidate of the same chain counts
-    0; so does an absent one. ``rewards [B, G, m, D] -> [B, G]``; the weight arguments are unused.
+    A candidate whose reward vector (real dimensions) exactly equals that of an earlier present candidate of the
+    same chain counts 0; so does an absent one. ``rewards [B, G, m, D] -> [B, G]``; the weight arguments are unused.
     """
     rewards, mask = _check_rewards(rewards, mask)
+    dim_mask = _check_dim_mask(dim_mask, rewards)
+    rewards = _real_only(rewards, dim_mask)
     m = rewards.shape[2]
     present = mask if mask is not None else torch.ones(rewards.shape[:3], dtype=torch.bool, device=rewards.device)
     same = (rewards.unsqueeze(3) == rewards.unsqueeze(2)).all(dim=-1)  # [B, G, m, m]: row j equals row i
     earlier = torch.ones(m, m, dtype=torch.bool, device=rewards.device).tril(-1)  # [m, m]: i < j
     duplicate = (same & earlier & present.unsqueeze(2)).any(dim=-1)  # [B, G, m]
     counted = (present & ~duplicate).to(rewards.dtype)  # [B, G, m]
-    return group_normalize((rewards.mean(dim=-1) * counted).sum(dim=-1), eps)  # [B, G]
+    return group_normalize((_f(rewards, dim_mask) * counted).sum(dim=-1), eps)  # [B, G]
 
 
 def random_weight_grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,
                        num_weights: int = 100, alpha: float = 1.0, eps: float = 1e-6,
-                       generator: torch.Generator | None = None) -> Tensor:
+                       generator: torch.Generator | None = None, dim_mask: Tensor | None = None) -> Tensor:
     """Random-weight GRPO: score w.s with one w ~ Dir(alpha) per group, shared by its G rollouts; group z-norm.
 
     ``weights`` ``[B, 1, D]`` (or ``[B, K, D]``/``[K, D]``, scored as the mean over K) comes from the rollout,
-    which draws it before generation; ``None`` draws one vector per group with ``generator`` (``num_weights``
-    is then ignored: the method is defined with a single weight vector). ``rewards [B, G, 1, D] -> [B, G]``.
+    which keys it on the training row so the same row always gets the same w
+    (:meth:`~vpo_lightning.protocol.ChainProtocol.step_weights`); ``None`` draws one vector per group with
+    ``generator`` (``num_weights`` is then ignored: the method is defined with a single weight vector). With
+    ``dim_mask`` the weights are restricted to the real dimensions. ``rewards [B, G, 1, D] -> [B, G]``.
     """
     rewards, mask = _check_rewards(rewards, mask, single="random_weight_grpo")
+    dim_mask = _check_dim_mask(dim_mask, rewards)
     b, d = rewards.shape[0], rewards.shape[-1]
     if weights is None:
         weights = sample_weights(1, d, alpha, num_groups=b, generator=generator)  # [B, 1, D]
+    weights = _check_weights(weights, b, d, rewards)  # [B or 1, K, D]
+    if dim_mask is not None:
+        weights, rewards = restrict_weights(weights, dim_mask), _real_only(rewards, dim_mask)
     # With m = 1 the max over candidates is the candidate itself, so the set reward is exactly mean_k w_k . s.
-    return _znorm(_set_rewards(rewards, _check_weights(weights, b, d, rewards), mask), dim=1, eps=eps)  # [B, G]
+    return _znorm(_set_rewards(rewards, weights, mask), dim=1, eps=eps)  # [B, G]
 
 
 def goal_conditioned_grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,
                           num_weights: int = 100, alpha: float = 1.0, eps: float = 1e-6,
-                          generator: torch.Generator | None = None) -> Tensor:
+                          generator: torch.Generator | None = None, dim_mask: Tensor | None = None) -> Tensor:
     """Goal-conditioned GRPO: as :func:`random_weight_grpo`; only the prompt differs (it lists the weights)."""
     return random_weight_grpo(rewards, mask, weights=weights, num_weights=num_weights, alpha=alpha, eps=eps,
-                              generator=generator)
+                              generator=generator, dim_mask=dim_mask)
 
 
 def _log_comb(n: Tensor, k: Tensor | float) -> Tensor:
@@ -294,45 +381,85 @@ def max_at_k_contributions(scores: Tensor, k: int) -> Tensor:
     return torch.empty_like(contrib).scatter_(1, order, contrib).to(scores.dtype)  # [B, n] original order
 
 
+def max_at_k_default(group_size: int) -> int:
+    """The reference's default subset size, ``max(2, G // 2)``."""
+    return max(2, group_size // 2)
+
+
 def max_at_k(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
              alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
-             k: int | None = None) -> Tensor:
-    """Max@k (arXiv 2510.23393): per-rollout contribution to unbiased max@k of f, then mean-subtract / std + eps.
+             dim_mask: Tensor | None = None, k: int | None = None) -> Tensor:
+    """Max@k (arXiv 2510.23393): per-rollout contribution to unbiased max@k of f, then mean-subtract / (std + eps)
+    with the sample std (ddof 1), as the reference.
 
     Args:
-        rewards: ``[B, G, 1, D]``; the scalar is f = mean over D (absent candidate = 0).
+        rewards: ``[B, G, 1, D]``; the scalar is f = mean over the real dimensions (absent candidate = 0).
         mask: ``[B, G, 1]`` presence mask.
-        k: subset size; default ``max(2, G // 2)``, capped at G.
-        eps: see :func:`group_normalize` (the baseline is the group mean of the contributions).
+        dim_mask: ``[B, D]`` real dimensions per group (None = all).
+        k: subset size, 1 <= k < G; default ``max(2, G // 2)`` (:func:`max_at_k_default`). k >= G raises: at
+            k = G every rollout's contribution is the group maximum, so all advantages would be 0.
+        eps: added to the std; a group whose std < eps gets zeros.
         weights: unused (shared signature), like ``num_weights``, ``alpha`` and ``generator``.
 
     Returns:
         ``[B, G]`` advantages; see :func:`max_at_k_contributions` for the formula.
     """
     rewards, mask = _check_rewards(rewards, mask, single="max_at_k")
-    scores = _masked(rewards, mask).mean(dim=-1).squeeze(2)  # [B, G]
+    dim_mask = _check_dim_mask(dim_mask, rewards)
+    scores = _f(_masked(rewards, mask), dim_mask).squeeze(2)  # [B, G]
+    g = scores.shape[1]
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"k must be None or a positive int, got {k!r}")
-    k = min(max(2, scores.shape[1] // 2) if k is None else k, scores.shape[1])
-    return group_normalize(max_at_k_contributions(scores, k), eps)  # [B, G]
+    k = max_at_k_default(g) if k is None else k
+    if k >= g:
+        raise ValueError(f"max@k needs k < G (group size), got k={k}, G={g}: at k >= G every rollout's contribution "
+                         "is the group maximum and all advantages are 0; raise rollout.group_size or lower "
+                         "rollout.max_at_k_k (default max(2, G // 2))")
+    return _znorm(max_at_k_contributions(scores, k), dim=1, eps=eps, correction=1)  # [B, G]
+
+
+def _whiten(x: Tensor, counts: Tensor) -> Tensor:
+    """Token-weighted whitening over the whole batch, as the reference's ``masked_whiten`` over response tokens:
+    each rollout's value weighs by its token count; mean and Bessel-corrected variance over the T tokens;
+    ``(x - mean) / sqrt(var + 1e-8)``. Fewer than 2 tokens in the batch: zeros (no spread to scale by)."""
+    total = counts.sum()
+    if not total > 1:
+        return torch.zeros_like(x)
+    mean = (counts * x).sum() / total
+    var = (counts * (x - mean) ** 2).sum() / (total - 1)
+    return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
 def gdpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
-         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None) -> Tensor:
-    """GDPO: z-normalise each dimension within the group, sum over D, then whiten over the whole batch (B * G).
+         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
+         dim_mask: Tensor | None = None, token_counts: Tensor | None = None) -> Tensor:
+    """GDPO: z-normalise each real dimension within the group (sample std, ddof 1), sum over D, then whiten over the
+    whole batch (B * G), token-weighted as the reference.
 
-    ``rewards [B, G, 1, D] -> [B, G]``; a dimension that is flat within a group contributes 0, and a batch whose
-    summed scores are flat gets all zeros. The weight arguments are unused.
+    ``token_counts [B, G]`` (generated tokens per rollout) weighs each rollout in the batch mean and variance, as the
+    reference whitens per token; ``None`` weighs every rollout as 1. ``rewards [B, G, 1, D] -> [B, G]``; a dimension
+    flat within a group (padding included) contributes 0, and a batch whose summed scores are flat gets zeros. The
+    weight arguments are unused.
     """
     rewards, mask = _check_rewards(rewards, mask, single="gdpo")
-    per_dim = _znorm(_masked(rewards, mask).squeeze(2), dim=1, eps=eps)  # [B, G, D]
+    dim_mask = _check_dim_mask(dim_mask, rewards)
+    per_dim = _znorm(_real_only(_masked(rewards, mask), dim_mask).squeeze(2), dim=1, eps=eps, correction=1)
     summed = per_dim.sum(dim=-1)  # [B, G]
-    return _znorm(summed.reshape(1, -1), dim=1, eps=eps).view_as(summed)  # [B, G] batch-whitened
+    if token_counts is None:
+        counts = torch.ones_like(summed)
+    else:
+        if not isinstance(token_counts, Tensor) or tuple(token_counts.shape) != tuple(summed.shape):
+            got = tuple(token_counts.shape) if isinstance(token_counts, Tensor) else type(token_counts).__name__
+            raise ValueError(f"token_counts must be a tensor of shape [B, G] = {tuple(summed.shape)}, got {got}")
+        counts = token_counts.to(summed)
+        if not counts.isfinite().all() or (counts < 0).any():
+            raise ValueError("token_counts must be finite and non-negative")
+    return _whiten(summed, counts)  # [B, G]
 
 
 Estimator = Callable[..., Tensor]
 ESTIMATORS: dict[str, Estimator] = {
-    "vpo": vpo_advantages,
+    "vpo": _vpo,
     "grpo": grpo,
     "multi_rlvr": multi_rlvr,
     "random_weight_grpo": random_weight_grpo,

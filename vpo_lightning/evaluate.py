@@ -132,6 +132,11 @@ class PromptPool:
     texts: list[str]  # C completions
     tokens: int  # generated tokens over the C completions
     errors: int  # reward calls that failed (scored 0); counted per engine call, on its first prompt
+    dims: Tensor | None = None  # [D] bool, the record's real dimensions (code: its tests); None = all D
+
+    def real_rewards(self) -> Tensor:
+        """``rewards [C, m, D']`` on the record's real dimensions only (D' = D when every dimension is real)."""
+        return self.rewards if self.dims is None else self.rewards[..., self.dims]
 
 
 @dataclass
@@ -162,12 +167,16 @@ def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
 
 
 def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and its sampling settings."""
+    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and the evaluation sampling
+    settings: the training ``sampling`` with ``rollout.eval_temperature`` (default 0.7) and ``rollout.eval_top_p``
+    (default 1.0), as the reference evaluates held-out pools."""
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
 
     ro = cfg["rollout"]
     init = (ro.get("engine") or {}).get("init_args") or {}
-    sampling = SamplingSettings(**known(SamplingSettings, ro.get("sampling") or {}))
+    train = known(SamplingSettings, ro.get("sampling") or {})
+    sampling = SamplingSettings(**{**train, "temperature": float(ro.get("eval_temperature", 0.7)),
+                                   "top_p": float(ro.get("eval_top_p", 1.0))})
     return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
 
 
@@ -200,8 +209,9 @@ def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: 
     for i, rec in enumerate(records):
         sl = slice(i * chains, (i + 1) * chains)
         tokens = sum(len(c) for c in gen.completion_ids[sl])
+        dims = None if scores.dim_mask is None else scores.dim_mask[i * chains]  # [D] the record's real dims
         pools.append(PromptPool(rec, scores.rewards[sl], scores.mask[sl], gen.texts[sl], tokens,
-                                scores.num_errors if i == 0 else 0))
+                                scores.num_errors if i == 0 else 0, dims))
     return pools
 
 
@@ -228,13 +238,17 @@ def _floats(t: Tensor) -> list[float]:
 
 def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[float] | None = None) -> dict[str, Any]:
     """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k, whose
-    scalar f is the mean over dimensions, or the weighted mean with the task's ``f_weights``)."""
+    scalar f is the mean over dimensions, or the weighted mean with the task's ``f_weights``). With per-record D
+    (``pool.dims``) every metric reads the record's real dimensions only."""
     from vpo_lightning import metrics
     from vpo_lightning.protocol import derive_seed
 
-    C, m, D = pool.rewards.shape
-    values, present = pool.rewards.reshape(1, C * m, D), pool.mask.reshape(1, C * m)  # [1, n, D], [1, n]
-    solved = metrics.solved(pool.rewards, pool.mask)  # [C, m]
+    rewards = pool.real_rewards()  # [C, m, D']
+    if pool.dims is not None and f_weights is not None:
+        f_weights = [w for w, ok in zip(f_weights, pool.dims.tolist()) if ok]
+    C, m, D = rewards.shape
+    values, present = rewards.reshape(1, C * m, D), pool.mask.reshape(1, C * m)  # [1, n, D'], [1, n]
+    solved = metrics.solved(rewards, pool.mask)  # [C, m]
     key = derive_seed(seed, pool.record.get("id"))
     two = int(present.sum()) >= 2
     chain_pairs = m > 1 and bool((pool.mask.sum(-1) >= 2).any())
@@ -245,14 +259,15 @@ def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[flo
         "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved[None])),
         "num_solved": int(solved.sum()), "num_present": int(present.sum()),
         "pairwise_l1_diversity": metrics.pairwise_l1_diversity(values, present) if two else None,
-        "within_chain_diversity": metrics.within_chain_diversity(pool.rewards[None], pool.mask[None])
+        "within_chain_diversity": metrics.within_chain_diversity(rewards[None], pool.mask[None])
         if chain_pairs else None,
         "expected_best_weighted": metrics.expected_best_weighted(
             values, NUM_WEIGHTS, generator=torch.Generator().manual_seed(key), mask=present),
         "pareto_fraction": metrics.pareto_fraction(values, present) if bool(present.any()) else None,
         "generated_tokens": pool.tokens,
-        "rewards": [[round(float(v), 6) for v in row] for row in values[0]],
+        "rewards": [[round(float(v), 6) for v in row] for row in pool.rewards.reshape(C * m, -1)],
         "present": [bool(v) for v in present[0]],
+        "real_dims": None if pool.dims is None else [bool(v) for v in pool.dims],
     }
 
 
@@ -264,7 +279,17 @@ def aggregate_metrics(pools: list[PromptPool], per_prompt: list[dict], dim_names
     mask = torch.stack([p.mask for p in pools])  # [P, C, m]
     P, C, m, D = rewards.shape
     values, present = rewards.reshape(P, C * m, D), mask.reshape(P, C * m)  # [P, n, D], [P, n]
-    solved = metrics.solved(rewards, mask)  # [P, C, m]
+    solved = torch.stack([metrics.solved(p.real_rewards(), p.mask) for p in pools])  # [P, C, m] on real dims
+    real = torch.stack([p.dims if p.dims is not None else torch.ones(D, dtype=torch.bool) for p in pools])  # [P, D]
+    varied = not bool(real.all())
+    # padding dimensions are 0 for every solution, so pairwise L1 and the Pareto front are unchanged by them; the
+    # weighted best and the per-dimension means must leave them out
+    expected_best = (sum(r["expected_best_weighted"] for r in per_prompt) / P if varied else
+                     metrics.expected_best_weighted(values, NUM_WEIGHTS, generator=torch.Generator().manual_seed(seed),
+                                                    mask=present))
+    mean_reward = values.mean(dim=(0, 1))  # [D] absent solutions count 0
+    if varied:  # each dimension over the prompts where it is real
+        mean_reward = (values.sum(dim=1) / (C * m) * real).sum(0) / real.sum(0).clamp(min=1)
     tokens = sum(p.tokens for p in pools)
     return {
         "best_at_k": _floats(torch.tensor([r["best_at_k"] for r in per_prompt]).mean(0)),
@@ -272,10 +297,9 @@ def aggregate_metrics(pools: list[PromptPool], per_prompt: list[dict], dim_names
         "chain_pass_at_k": _floats(metrics.chain_pass_at_k_curve(solved)),
         "pairwise_l1_diversity": metrics.pairwise_l1_diversity(values, present),
         "within_chain_diversity": metrics.within_chain_diversity(rewards, mask) if m > 1 else None,
-        "expected_best_weighted": metrics.expected_best_weighted(
-            values, NUM_WEIGHTS, generator=torch.Generator().manual_seed(seed), mask=present),
+        "expected_best_weighted": expected_best,
         "pareto_fraction": metrics.pareto_fraction(values, present),
-        "mean_reward": dict(zip(dim_names, _floats(values.mean(dim=(0, 1))))),  # absent solutions count 0
+        "mean_reward": dict(zip(dim_names, _floats(mean_reward))),  # absent solutions count 0
         "solved_fraction": float(solved.float().mean()),
         "present_fraction": float(present.float().mean()),
         "parse_rate": float(mask.any(-1).float().mean()),  # chains with at least one parsed candidate
@@ -451,7 +475,9 @@ def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer
         rewards, mask = chain_tensors(chain_rows, dim)
         texts = [c["text"] for c in chain_rows]
         tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
-        pools.append(PromptPool(records[prompt["id"]], rewards, mask, texts, tokens, 0))
+        dims = prompt.get("real_dims")
+        pools.append(PromptPool(records[prompt["id"]], rewards, mask, texts, tokens, 0,
+                                None if dims is None else torch.tensor(dims, dtype=torch.bool)))
     return pools
 
 

@@ -220,7 +220,8 @@ def pareto_fraction(pool: Pool, mask: Tensor | None = None) -> float:
     return float(per_prompt[size > 0].mean()) if bool((size > 0).any()) else 0.0
 
 
-def reward_means(rewards: Tensor, mask: Tensor, dim_names: Sequence[str]) -> dict[str, float]:
+def reward_means(rewards: Tensor, mask: Tensor, dim_names: Sequence[str],
+                 dim_mask: Tensor | None = None) -> dict[str, float]:
     """Training-time reward averages under names that say what they average.
 
     ``reward/all/mean`` and ``reward/all/<dim>`` average every candidate slot of every chain, a candidate that did
@@ -232,6 +233,9 @@ def reward_means(rewards: Tensor, mask: Tensor, dim_names: Sequence[str]) -> dic
         rewards: ``[..., m, D]`` reward vectors (any value where ``mask`` is False: it is ignored).
         mask: ``[..., m]`` True where the candidate parsed.
         dim_names: the D dimension names.
+        dim_mask: ``[..., D]`` (the leading shape of ``mask`` without m) True on each chain's real dimensions
+            (per-record D); a dimension averages over the chains where it is real, and a candidate's mean over its
+            real dimensions. None = every dimension real.
     """
     if rewards.shape[:-1] != mask.shape or rewards.shape[-1] != len(dim_names):
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [..., m, D] with mask {tuple(mask.shape)} = "
@@ -240,12 +244,23 @@ def reward_means(rewards: Tensor, mask: Tensor, dim_names: Sequence[str]) -> dic
     kept = rewards * present[..., None]  # [..., m, D] absent candidates -> 0
     slots = max(present.numel(), 1)
     n_parsed = float(present.sum().clamp(min=1))
-    per_dim = kept.reshape(-1, rewards.shape[-1]).sum(0)  # [D]
-    out: dict[str, float] = {}
-    for d, name in enumerate(dim_names):
-        out[f"reward/{name}"] = float(per_dim[d]) / n_parsed
-        out[f"reward/all/{name}"] = float(per_dim[d]) / slots
-    total = float(kept.mean(-1).sum())
+    if dim_mask is None:
+        per_dim = kept.reshape(-1, rewards.shape[-1]).sum(0)  # [D]
+        out: dict[str, float] = {}
+        for d, name in enumerate(dim_names):
+            out[f"reward/{name}"] = float(per_dim[d]) / n_parsed
+            out[f"reward/all/{name}"] = float(per_dim[d]) / slots
+        total = float(kept.mean(-1).sum())
+    else:
+        real = dim_mask.to(rewards.dtype).unsqueeze(-2).expand_as(rewards)  # [..., m, D]
+        per_dim = (kept * real).reshape(-1, rewards.shape[-1]).sum(0)  # [D]
+        slots_d = real.reshape(-1, rewards.shape[-1]).sum(0)  # [D] candidate slots where the dimension is real
+        parsed_d = (real * present[..., None]).reshape(-1, rewards.shape[-1]).sum(0)  # [D]
+        out = {}
+        for d, name in enumerate(dim_names):
+            out[f"reward/{name}"] = float(per_dim[d]) / max(float(parsed_d[d]), 1.0)
+            out[f"reward/all/{name}"] = float(per_dim[d]) / max(float(slots_d[d]), 1.0)
+        total = float(((kept * real).sum(-1) / real.sum(-1).clamp(min=1)).sum())
     out["reward/parsed/mean"] = total / n_parsed
     out["reward/all/mean"] = total / slots
     out["chains/candidate_parse_rate"] = float(present.sum()) / slots

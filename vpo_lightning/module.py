@@ -1,8 +1,11 @@
 """``VPOModule``: the LoRA/QLoRA policy, its reference (adapters disabled) and the PPO-clip + KL training step.
 
 The module only wires things up: rollouts arrive on the batch from ``RolloutCallback``; log-probs and the loss come
-from the pure core (``losses.py``). Optimisation is manual so that ``num_iterations > 1`` PPO passes, gradient
-clipping and the non-finite guard live in one readable place.
+from the pure core (``losses.py``). Optimisation is manual so that the PPO mini-batch updates (``mini_batches``, the
+reference's 2 per rollout), ``num_iterations > 1`` passes, gradient clipping and the non-finite guard live in one
+readable place. ``trainer.global_step`` counts rollouts (one training batch), not optimizer updates: a rollout makes
+``mini_batches * num_iterations`` updates, and only its last advances the step counter, so ``max_steps``, checkpoint
+steps and the data position keep meaning "rollouts".
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from torch import Tensor, nn
 
 from vpo_lightning.attention import uses_vpo_attention
@@ -37,14 +41,14 @@ class LossSettings:
         beta: coefficient of the k3 KL to the reference (0 disables the reference pass).
         clip_low: PPO lower clip epsilon.
         clip_high: PPO upper clip epsilon (raise above clip_low for DAPO's clip-higher).
-        dual_clip: dual-clip constant c > 1 for negative advantages (null = off).
+        dual_clip: dual-clip constant c > 1 for negative advantages (null = off); the reference's 3.0.
         aggregation: token_mean (default), sequence_mean, or constant (Dr. GRPO: sum / (N * max_new_tokens)).
     """
 
     beta: float = 1e-3
     clip_low: float = 0.2
     clip_high: float = 0.2
-    dual_clip: float | None = None
+    dual_clip: float | None = 3.0
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
 
 
@@ -54,10 +58,15 @@ class OptimSettings:
 
     Args:
         lr: learning rate; LoRA wants ~1e-5..1e-4 (full fine-tuning ~1e-6).
-        weight_decay: AdamW weight decay.
+        weight_decay: AdamW weight decay (the reference's 0.01).
         warmup_steps: linear warm-up steps.
         max_grad_norm: gradient clipping norm (0 = off).
-        num_iterations: optimizer passes over each rollout batch (PPO epochs); old log-probs are kept when > 1.
+        num_iterations: passes over each rollout batch (PPO epochs); each pass makes ``mini_batches`` updates.
+        mini_batches: optimizer updates per pass over a rollout, each on its own contiguous 1/mini_batches of the
+            chains (whole prompt groups when B is a multiple). With 2, the default and the reference's (train batch
+            128 x 8 chains, mini-batch 64 -> 2 updates), the second update's PPO ratio and clip act on log-probs the
+            first update moved; with 1 (and num_iterations 1) the ratio is exactly 1. Old log-probs are computed once,
+            before the first update, whenever a rollout makes more than one update.
         micro_batch_size: chains per forward/backward (gradients accumulate over a step's B * G chains).
         share_prompt: pack each prompt once with up to micro_batch_size of its chains (a 4D attention mask, no
             padding), so training runs the shared prompt once per micro-batch instead of once per chain; same
@@ -67,14 +76,32 @@ class OptimSettings:
     """
 
     lr: float = 5e-5
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     num_iterations: int = 1
+    mini_batches: int = 2
     micro_batch_size: int = 8
     share_prompt: bool = True
     logprob_chunk_size: int = 1024
     max_bad_steps: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("num_iterations", "mini_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"optim.{name} must be a positive int, got {value!r}")
+
+
+def _select_rows(ro: Rollout, rows: Tensor) -> Rollout:
+    """``ro`` restricted to the chains ``rows`` (``ro`` itself when that is all of them)."""
+    if len(rows) == len(ro.advantages) and bool((rows == torch.arange(len(rows))).all()):
+        return ro
+    return replace(ro, input_ids=ro.input_ids[rows], attention_mask=ro.attention_mask[rows],
+                   completion_mask=ro.completion_mask[rows], advantages=ro.advantages[rows],
+                   rewards=ro.rewards[rows], candidate_mask=ro.candidate_mask[rows],
+                   texts=[ro.texts[i] for i in rows.tolist()],
+                   engine_logprobs=None if ro.engine_logprobs is None else ro.engine_logprobs[rows])
 
 
 def _micro_batches(ro: Rollout, size: int) -> list[dict[str, Tensor]]:
@@ -192,28 +219,28 @@ class VPOModule(L.LightningModule):
             whole = float(total) / world
         return max(whole, 1.0)
 
-    def _prepare(self, ro: Rollout) -> list[dict[str, Tensor]]:
+    def _prepare(self, ro: Rollout, keep_old: bool = False) -> list[dict[str, Tensor]]:
         mbs = self._micro_batches(ro)
         for mb in mbs:
             mb["advantages"] = ro.advantages[mb["index"]].to(self.device)  # [n]
             if self.loss_settings.beta > 0:
                 mb["ref"] = self.reference_logprobs(mb, ro.temperature)
-            if self.optim_settings.num_iterations > 1:
-                with torch.no_grad():  # skipped when num_iterations = 1: then old = logp.detach() exactly
+            if keep_old:
+                with torch.no_grad():  # skipped for a single update per rollout: then old = logp.detach() exactly
                     mb["old"] = self.completion_logprobs(self.policy, mb, ro.temperature)
         return mbs
 
     def _rows_with_gradient(self, ro: Rollout) -> Rollout:
         """``ro`` without the chains whose loss is exactly zero (zero advantage when beta = 0; see
         :func:`~vpo_lightning.dynamic_sampling.rows_to_train`): their forward and backward passes are skipped."""
-        rows = rows_to_train(ro.advantages, self.loss_settings.beta)  # [n]
-        if len(rows) == len(ro.advantages):
-            return ro
-        return replace(ro, input_ids=ro.input_ids[rows], attention_mask=ro.attention_mask[rows],
-                       completion_mask=ro.completion_mask[rows], advantages=ro.advantages[rows],
-                       rewards=ro.rewards[rows], candidate_mask=ro.candidate_mask[rows],
-                       texts=[ro.texts[i] for i in rows.tolist()],
-                       engine_logprobs=None if ro.engine_logprobs is None else ro.engine_logprobs[rows])
+        return _select_rows(ro, rows_to_train(ro.advantages, self.loss_settings.beta))
+
+    def _mini_batch_parts(self, ro: Rollout) -> list[tuple[Rollout, Rollout]]:
+        """``(part, trained)`` per mini-batch update: the part's chains (a contiguous slice of the rollout) and
+        those of them that carry a gradient. Parts with no chains are dropped."""
+        rows = torch.arange(len(ro.advantages)).tensor_split(self.optim_settings.mini_batches)
+        parts = [_select_rows(ro, r) for r in rows if len(r)]
+        return [(part, self._rows_with_gradient(part)) for part in parts]
 
     def _micro_batches(self, ro: Rollout) -> list[dict[str, Tensor]]:
         size = self.optim_settings.micro_batch_size
@@ -267,7 +294,9 @@ class VPOModule(L.LightningModule):
             totals["engine_logprob_gap"] = gap_sum / max(gap_count, 1.0)
         return totals
 
-    def _optimizer_step(self) -> tuple[bool, float]:
+    def _optimizer_step(self, last: bool = True) -> tuple[bool, float]:
+        """Clip and step; only the rollout's ``last`` update advances ``trainer.global_step`` (the others step the
+        same optimizer through the strategy, skipping the step counter)."""
         opt, sched = self.optimizers(), self.lr_schedulers()
         params = [p for p in self.policy.parameters() if p.requires_grad]
         max_norm = self.optim_settings.max_grad_norm or float("inf")
@@ -275,7 +304,10 @@ class VPOModule(L.LightningModule):
         if not math.isfinite(norm):
             opt.zero_grad(set_to_none=True)
             return False, norm
-        opt.step()
+        if last or not isinstance(opt, LightningOptimizer):  # a bare torch optimizer (unit tests): no counter
+            opt.step()
+        else:
+            self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure, self)
         pause_point("optimizer_step", lambda: self.global_step - 1)  # kill tests: weights updated, scheduler not
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -284,27 +316,40 @@ class VPOModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         ro: Rollout = batch["rollout"]
         t0 = time.perf_counter()
-        trained_ro = self._rows_with_gradient(ro)  # beta = 0: chains with zero advantage carry no gradient
-        mbs = self._prepare(trained_ro)
-        gap = None
+        parts = self._mini_batch_parts(ro)  # beta = 0: chains with zero advantage carry no gradient
+        updates = self.optim_settings.num_iterations * len(parts)
+        # old log-probs of every part come from the policy before the rollout's first update
+        prepared = [(part, trained, self._prepare(trained, keep_old=updates > 1)) for part, trained in parts]
+        gap_sum, gap_tokens, done, all_stats, skipped, bad_stats = 0.0, 0.0, 0, [], 0, None
         for iteration in range(self.optim_settings.num_iterations):
-            stats = self._backward_pass(ro, mbs, trained_ro.engine_logprobs if iteration == 0 else None)
-            gap = stats.pop("engine_logprob_gap", gap)
-            if math.isfinite(stats["loss"]):
-                ok, grad_norm = self._optimizer_step()
-            else:  # drop the non-finite gradients: left in place they would poison the next step's accumulation
-                self.optimizers().zero_grad(set_to_none=True)
-                ok, grad_norm = False, float("nan")
-            self._guard(ok, stats)
-        trained = float(trained_ro.completion_mask.sum())
+            for part, trained, mbs in prepared:
+                done += 1
+                stats = self._backward_pass(part, mbs, trained.engine_logprobs if iteration == 0 else None)
+                if "engine_logprob_gap" in stats:
+                    tokens = float(trained.completion_mask.sum())
+                    gap_sum, gap_tokens = gap_sum + stats.pop("engine_logprob_gap") * tokens, gap_tokens + tokens
+                if math.isfinite(stats["loss"]):
+                    ok, grad_norm = self._optimizer_step(last=done == updates)
+                else:  # drop the non-finite gradients: left in place they would poison the next update
+                    self.optimizers().zero_grad(set_to_none=True)
+                    ok, grad_norm = False, float("nan")
+                if not ok:  # the update is dropped; the next one starts from clean gradients
+                    skipped, bad_stats = skipped + 1, bad_stats or stats
+                all_stats.append(stats)
+        self._guard(skipped == 0, bad_stats or {})  # counts rollouts: one with a dropped update is a bad step
+        keys = dict.fromkeys(k for s in all_stats for k in s)  # an update with no chain to train logs only its loss
+        stats = {k: sum(s[k] for s in all_stats if k in s) / sum(k in s for s in all_stats) for k in keys}
+        gap = gap_sum / gap_tokens if gap_tokens else None
+        trained = float(sum(t.completion_mask.sum() for _, t, _ in prepared))
         step_time = time.perf_counter() - t0
         logged = {f"train/{k}": v for k, v in stats.items()}
         logged.update({f"train/{k}": v for k, v in ro.metrics.items()})
         logged.update({
-            "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(not ok),
+            "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(skipped > 0),
+            "train/skipped_updates": float(skipped), "train/updates": float(updates),
             "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": _peak_rss_gb(),
             "train/lr": self.lr_schedulers().get_last_lr()[0],
-            "train/skipped_chains": float(len(ro.advantages) - len(trained_ro.advantages)),
+            "train/skipped_chains": float(len(ro.advantages) - sum(len(t.advantages) for _, t, _ in prepared)),
         })
         if gap is not None:
             logged["train/engine_logprob_gap"] = gap
@@ -317,13 +362,14 @@ class VPOModule(L.LightningModule):
         self.log_dict(prog, prog_bar=True, logger=False, batch_size=1)
 
     def _guard(self, ok: bool, stats: dict[str, float]) -> None:
-        """Skip non-finite steps; stop after ``max_bad_steps`` in a row (the last good checkpoint stays)."""
+        """Count steps (rollouts) with a non-finite update (each such update was dropped, never applied); stop after
+        ``max_bad_steps`` in a row (the last good checkpoint stays)."""
         if ok:
             self._bad_steps = 0
             return
         self._bad_steps += 1
-        log.warning("non-finite loss or gradient (loss=%s): step skipped (%d in a row)", stats.get("loss"),
-                    self._bad_steps)
+        log.warning("non-finite loss or gradient (loss=%s): update dropped, a bad step (%d in a row)",
+                    stats.get("loss"), self._bad_steps)
         if self._bad_steps >= self.optim_settings.max_bad_steps:
             raise FloatingPointError(
                 f"{self._bad_steps} non-finite steps in a row (optim.max_bad_steps). The last checkpoint holds the "

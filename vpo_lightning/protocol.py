@@ -2,8 +2,10 @@
 
 :class:`ChainProtocol` is the Lightning-free part of a rollout (VPO-SPEC sections 2 and 3): the prompt with the
 m-answer instruction appended (chain methods) or the shown objective weights (goal-conditioned GRPO), the split of
-a completion into its m candidates, the D-dimensional reward vector that scores them, and the Dirichlet weights of
-a training step, keyed by (seed, step, prompt index). The rollout callback drives it with an engine inside
+a completion into its m candidates, the D-dimensional reward vector that scores them, and the Dirichlet weights:
+VPO's keyed by (seed, step, prompt index), fresh every step; the weighted single-answer baselines' keyed by (seed,
+record id), fixed per training row as in the reference (``vpo/augment.py``: the same prompt sees the same weights
+every epoch). The rollout callback drives it with an engine inside
 Lightning; ``vpo eval`` and ``vpo search`` drive it with an engine outside. :class:`Rollout` is one step's sampled
 chains as the loss reads them; :func:`build_rollout_tensors` stacks prompts and completions into it.
 """
@@ -18,13 +20,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from vpo_lightning.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, sample_weights
+from vpo_lightning.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, restrict_weights, sample_weights
 from vpo_lightning.chains import build_instruction, distinct, parse_chain
 from vpo_lightning.engines import Generation
 from vpo_lightning.rewards import RewardScores, RewardVector
 
 Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
 TagFamily = Literal["response", "route", "fence"]
+# Goal-conditioned GRPO's prompt suffix, worded as the reference's (vpo/augment.py): one line per real dimension,
+# "- <description>: <weight to 2 decimals>".
+WEIGHT_SUFFIX = ("\n\nYour objective weights (higher = more important to optimize):\n{lines}\n\n"
+                 "Maximize your weighted score.")
 
 
 def derive_seed(*parts: Any) -> int:
@@ -67,28 +73,55 @@ class ChainProtocol:
     def messages(self, record: Mapping[str, Any], weights: Tensor | None = None) -> list[dict[str, str]]:
         """The chat messages of ``record`` with the protocol's instruction appended to the last message.
 
-        ``weights`` (``[1, D]`` or ``[D]``) is shown to the model by goal-conditioned GRPO only.
+        ``weights`` (``[1, D]`` or ``[D]``) is shown to the model by goal-conditioned GRPO only, one line per real
+        dimension of the record (:data:`WEIGHT_SUFFIX`).
         """
         messages = [dict(m) for m in record["messages"]]
         suffix = build_instruction(self.m, self.tag_family) if self.chained else ""
         if self.estimator == "goal_conditioned_grpo" and weights is not None:
-            shown = ", ".join(f"{n}={w:.2f}" for n, w in zip(self.dim_names, weights.reshape(-1).tolist()))
-            suffix += f"\n\nObjective weights for this answer (optimise the weighted sum): {shown}."
+            real = self.dim_mask([record])[0].tolist()  # [D]
+            lines = [f"- {desc}: {w:.2f}" for desc, w, ok in
+                     zip(self.reward_vector.descriptions, weights.reshape(-1).tolist(), real) if ok]
+            suffix += WEIGHT_SUFFIX.format(lines="\n".join(lines))
         messages[-1]["content"] += suffix
         return messages
 
-    def step_weights(self, indices: Sequence[int], step: int) -> Tensor | None:
-        """``[B, K, D]`` weights keyed by (seed, step, prompt index); K = 1 for the weighted single-answer
-        baselines; None for estimators that use no weights."""
+    def dim_mask(self, records: Sequence[Mapping[str, Any]]) -> Tensor:
+        """``[B, D]`` bool: the real dimensions of each record (all True unless a reward registered ``real_dims``)."""
+        if not self.reward_vector.variable_dims:
+            return torch.ones(len(records), self.dim, dtype=torch.bool)
+        return self.reward_vector.dim_mask(records)
+
+    def row_key(self, record: Mapping[str, Any], index: int) -> Any:
+        """What identifies a training row: its record id (stable when the file is reordered), else its index."""
+        rid = record.get("id")
+        return ("id", rid) if rid is not None else ("index", index)
+
+    def step_weights(self, indices: Sequence[int], step: int,
+                     records: Sequence[Mapping[str, Any]] | None = None) -> Tensor | None:
+        """``[B, K, D]`` weights, restricted to each record's real dimensions; None for estimators without weights.
+
+        VPO: K = ``num_weights`` fresh draws per step, keyed by (seed, step, prompt index). The weighted
+        single-answer baselines: K = 1, keyed by (seed, record id) only, so a training row gets the same w at every
+        step and epoch, as the reference keys it on (seed, row) (``vpo/augment.py``).
+        """
         if self.estimator != "vpo" and self.estimator not in WEIGHTED_ESTIMATORS:
             return None
+        given = records is not None
+        records = list(records) if given else [{} for _ in indices]
+        if len(records) != len(indices):
+            raise ValueError(f"step_weights got {len(indices)} indices but {len(records)} records")
+        if self.estimator == "vpo":
+            keys = [(self.seed, step, idx) for idx in indices]
+        else:
+            keys = [(self.seed, "row-weights", self.row_key(r, idx)) for r, idx in zip(records, indices)]
         k = self.num_weights if self.estimator == "vpo" else 1
-        draws = [
-            sample_weights(k, self.dim, self.alpha,
-                           generator=torch.Generator().manual_seed(derive_seed(self.seed, step, idx)))
-            for idx in indices
-        ]
-        return torch.stack(draws)  # [B, K, D]
+        draws = [sample_weights(k, self.dim, self.alpha, generator=torch.Generator().manual_seed(derive_seed(*key)))
+                 for key in keys]
+        weights = torch.stack(draws)  # [B, K, D]
+        if self.reward_vector.variable_dims and given:
+            weights = restrict_weights(weights, self.dim_mask(records))  # Dirichlet over the real dims only
+        return weights
 
     def chain_messages(self, record: Mapping[str, Any], chains: int, seed: int) -> list[list[dict[str, str]]]:
         """The messages of ``chains`` samples of one record outside training (``vpo eval``, ``vpo search``):
@@ -97,6 +130,8 @@ class ChainProtocol:
             return [self.messages(record)] * chains
         gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
         weights = sample_weights(chains, self.dim, self.alpha, generator=gen)  # [C, D]
+        if self.reward_vector.variable_dims:
+            weights = restrict_weights(weights[None], self.dim_mask([record]))[0]  # [C, D]
         return [self.messages(record, w) for w in weights]
 
     def candidates(self, text: str) -> list[str | None]:

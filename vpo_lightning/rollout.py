@@ -5,8 +5,9 @@ policy, which the callback reaches through ``pl_module`` after every optimizer s
 plain integer that checkpoints can save. ``on_train_batch_start`` attaches a ``Rollout`` to the batch; Lightning
 passes that same dict to ``training_step``.
 
-Randomness is keyed, not carried: the sampling seed of a step is derived from (seed, step, rank) and the Dirichlet
-weights of a prompt group from (seed, step, prompt index), so a resumed run and a run on more ranks draw the same.
+Randomness is keyed, not carried: the sampling seed of a step is derived from (seed, step, rank), VPO's Dirichlet
+weights of a prompt group from (seed, step, prompt index) and the weighted baselines' from (seed, record id), so a
+resumed run and a run on more ranks draw the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jsonargparse import lazy_instance
 from torch import Tensor
 
 from vpo_lightning import metrics
-from vpo_lightning.advantages import ESTIMATORS, set_rewards
+from vpo_lightning.advantages import ESTIMATORS, max_at_k_default, set_rewards
 from vpo_lightning.checkpointing import pause_point
 from vpo_lightning.dynamic_sampling import DynamicSamplingSettings, Round, fill_batch
 from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
@@ -68,6 +69,12 @@ class RolloutCallback(L.Callback):
             extra rounds count.
         dynamic_sampling: DAPO filter groups: draw more prompts when groups have zero reward spread and train only
             on groups with signal, at most ``max_extra_rounds`` extra generation rounds per step (one process only).
+        max_at_k_k: k of the max_at_k estimator, 1 <= k < group_size; null = the reference's max(2, G // 2).
+            Ignored by the other estimators.
+        eval_temperature: the temperature ``vpo eval`` and ``vpo search`` sample at (training and in-loop validation
+            use ``sampling``); the reference's held-out evaluation uses 0.7 in every domain.
+        eval_top_p: the top-p of ``vpo eval`` / ``vpo search``; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use,
+            EUREQA).
     """
 
     def __init__(
@@ -87,8 +94,14 @@ class RolloutCallback(L.Callback):
         save_completions: bool = False,
         max_generated_tokens: int | None = None,
         dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings(),  # noqa: B008 - never mutated
+        max_at_k_k: int | None = None,
+        eval_temperature: float = 0.7,
+        eval_top_p: float = 1.0,
     ) -> None:
-        _validate(estimator, num_candidates, group_size, num_weights, alpha)
+        SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
+        self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
+        _validate(estimator, num_candidates, group_size, num_weights, alpha, max_at_k_k)
+        self.max_at_k_k = max_at_k_k
         if max_generated_tokens is not None and max_generated_tokens < 1:
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
         self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
@@ -182,9 +195,8 @@ class RolloutCallback(L.Callback):
             rnd, dyn = fill_batch(rnd, draw, len(pool), len(records), self.dynamic_sampling.max_extra_rounds,
                                   derive_seed(self.seed, "refill", step, rank))
             if dyn["dynamic/extra_rounds"] or len(rnd.records) != len(records):
-                rnd.advantages = ESTIMATORS[self.estimator](  # recomputed: gdpo whitens over the whole batch
-                    self._scalar_view(rnd.rewards), rnd.mask, weights=rnd.weights, num_weights=self.num_weights,
-                    alpha=self.alpha)
+                # recomputed: gdpo whitens over the whole batch
+                rnd.advantages = self._advantages(rnd.records, rnd.rewards, rnd.mask, rnd.weights, rnd.completion_ids)
             batch["records"], batch["indices"] = rnd.records, rnd.indices
         B, G = len(rnd.records), self.group_size
         gen = Generation(rnd.completion_ids, rnd.texts, rnd.num_tokens, rnd.engine_logprobs)
@@ -192,8 +204,9 @@ class RolloutCallback(L.Callback):
         engine_lp = engine_logprob_tensor(gen, comp)  # [N, L] or None
         rewards, mask = rnd.rewards.reshape(B * G, self.m, -1), rnd.mask.reshape(B * G, self.m)  # [N, m, D], [N, m]
         scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
+        dim_mask = self.protocol.dim_mask(rnd.records) if self.protocol.reward_vector.variable_dims else None
         stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,
-                              float(rnd.extra.get("gen_time", 0.0)))
+                              float(rnd.extra.get("gen_time", 0.0)), dim_mask)
         if self.m > 1:  # answers dropped as repeats of an earlier answer of their chain, per chain
             stats["chains/repeated_candidates"] = float(rnd.extra.get("repeats", 0)) / max(1, B * G)
         if dyn:  # every round's tokens count toward the budget (rollout/tokens); the kept ones are trained on
@@ -207,7 +220,7 @@ class RolloutCallback(L.Callback):
                round_: int = 0) -> Round:
         """Generate G chains for each of ``records`` and score them (one generation round of a step)."""
         B, G, tok = len(records), self.group_size, pl_module.tokenizer
-        weights = self.protocol.step_weights(indices, step)  # [B, K, D] or None
+        weights = self.protocol.step_weights(indices, step, records)  # [B, K, D] or None
         prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]))
                    for b, r in enumerate(records)]
         torch.manual_seed(derive_seed(self.seed, "sample", step, rank, *([round_] if round_ else [])))
@@ -222,18 +235,34 @@ class RolloutCallback(L.Callback):
         scores = self.protocol.score(cands, samples)
         rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
         mask = scores.mask.view(B, G, self.m)  # [B, G, m]
-        adv = ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
-                                         num_weights=self.num_weights, alpha=self.alpha)  # [B, G]
+        adv = self._advantages(records, rewards, mask, weights, gen.completion_ids)  # [B, G]
         return Round(list(records), list(indices), prompts, gen.completion_ids, gen.texts, rewards, mask, adv,
                      weights, gen.num_tokens, gen.engine_logprobs,
                      {"gen_time": gen_time, "errors": scores.num_errors, "repeats": sum(n for _, n in split)})
 
+    def _advantages(self, records: list[dict], rewards: Tensor, mask: Tensor, weights: Tensor | None,
+                    completion_ids: list[list[int]]) -> Tensor:
+        """The estimator on ``rewards [B, G, m, D]``: with each record's real dimensions (per-row D), max@k's k,
+        and GDPO's per-rollout token counts (it whitens token-weighted). ``[B, G]``."""
+        extra: dict[str, Any] = {}
+        if self.protocol.reward_vector.variable_dims:
+            extra["dim_mask"] = self.protocol.dim_mask(records)  # [B, D]
+        if self.estimator == "max_at_k":
+            extra["k"] = self.max_at_k_k
+        if self.estimator == "gdpo":
+            extra["token_counts"] = torch.tensor([len(c) for c in completion_ids],
+                                                 dtype=torch.float32).view(mask.shape[:2])  # [B, G]
+        return ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
+                                          num_weights=self.num_weights, alpha=self.alpha, **extra)
+
     def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
-                 gen: Generation, gen_time: float) -> dict[str, float]:
+                 gen: Generation, gen_time: float, dim_mask: Tensor | None = None) -> dict[str, float]:
         B, G, m, D = rewards.shape
         present = mask.float()  # [B, G, m]
-        out = metrics.reward_means(rewards, mask, self.reward_vector.dim_names)  # all candidates and parsed only
-        f = rewards.mean(-1)  # [B, G, m] mean over dimensions
+        group_dims = None if dim_mask is None else dim_mask[:, None, :].expand(B, G, D)  # [B, G, D]
+        out = metrics.reward_means(rewards, mask, self.reward_vector.dim_names, group_dims)  # all and parsed only
+        real = torch.ones(B, 1, 1, D) if dim_mask is None else dim_mask[:, None, None, :].float()  # [B, 1, 1, D]
+        f = (rewards * real).sum(-1) / real.sum(-1)  # [B, G, m] mean over the real dimensions
         out["reward/best_in_chain"] = float(f.max(-1).values.mean())
         if weights is not None and self.estimator == "vpo":
             out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())
@@ -285,7 +314,7 @@ class RolloutCallback(L.Callback):
         writer.add_text("samples", "\n".join(lines), global_step=trainer.global_step)
 
 
-def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float) -> None:
+def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None = None) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
     if m < 1:
@@ -299,3 +328,10 @@ def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: 
         raise ValueError(f"rollout.num_weights (K) must be >= 1, got {num_weights}")
     if not alpha > 0:
         raise ValueError(f"rollout.alpha (Dirichlet concentration) must be > 0, got {alpha}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"rollout.max_at_k_k must be null or a positive int, got {k!r}")
+    if estimator == "max_at_k" and (k or max_at_k_default(group_size)) >= group_size:
+        shown = f"rollout.max_at_k_k={k}" if k else f"the default k = max(2, G // 2) = {max_at_k_default(group_size)}"
+        raise ValueError(f"max_at_k needs k < rollout.group_size, got {shown} with group_size={group_size}: at "
+                         "k >= G every rollout's contribution is the group maximum and all advantages are 0. Raise "
+                         "rollout.group_size (>= 3 for the default k) or set rollout.max_at_k_k below it")

@@ -147,7 +147,10 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
             for b, state in enumerate(batch):
                 for c in range(b * chains, (b + 1) * chains):
                     keep = min(m, budget - (state.chains * m))
-                    state.add(scores.rewards[c, :keep], scores.mask[c, :keep], cands[c][:keep])
+                    vecs = scores.rewards[c, :keep]  # [keep, D]
+                    if scores.dim_mask is not None:  # per-record D (code): only the record's real dimensions
+                        vecs = vecs[:, scores.dim_mask[c]]
+                    state.add(vecs, scores.mask[c, :keep], cands[c][:keep])
                     state.tokens += len(gen.completion_ids[c])
                     state.chains += 1
         rnd += 1

@@ -11,7 +11,13 @@ path, either registered (under any name) by its module or carrying a ``dims`` at
 a reward that returns a different number of values than it declares stops the run at once with an error saying so.
 
 Model output never crashes a run: a reward that raises, returns NaN or a value outside [0, 1] is reported with its
-name and the offending input, scores 0 for that candidate, and is counted in the logs. A reward that fails on each
+name and the offending input, and the candidate scores 0 on every dimension of the vector (VPO-SPEC section 3: the
+candidate scores 0, not only that reward's dimensions); it is counted in the logs.
+
+Per-record D. A reward registered with ``real_dims=fn`` has a variable number of real dimensions per record
+(code tasks: one per test, at most 16): ``fn(sample)`` gives how many of its declared dimensions are real for that
+record (1..len(dims)), the reward returns that many values, and the rest are padding, scored 0 and marked False in
+:attr:`RewardScores.dim_mask` so that estimators and metrics leave them out. A reward that fails on each
 of its first ``fail_after`` calls (default 100) is broken, not unlucky: the run stops with an error naming it
 instead of training on zeros.
 """
@@ -47,6 +53,8 @@ class RewardEntry:
     dims: tuple[str, ...]
     parallel: bool = False  # candidates scored in a thread pool (rewards that wait on sandbox subprocesses)
     f_weights: tuple[float, ...] | None = None  # weights of the task's scalar f over dims (None: plain mean)
+    real_dims: Callable[[Mapping[str, Any]], int] | None = None  # real dims per record (None: all of them)
+    descriptions: tuple[str, ...] | None = None  # one phrase per dim, shown by goal-conditioned GRPO (None: names)
     answer_key: Callable[[str], Any] | None = None  # when two answers of one chain are the same (count once)
 
 
@@ -55,22 +63,30 @@ REWARDS: dict[str, RewardEntry] = {}
 
 def register(
     name: str, *, dims: Sequence[str] | None = None, parallel: bool = False,
-    f_weights: Sequence[float] | None = None, answer_key: Callable[[str], Any] | None = None,
+    f_weights: Sequence[float] | None = None, real_dims: Callable[[Mapping[str, Any]], int] | None = None,
+    descriptions: Sequence[str] | None = None, answer_key: Callable[[str], Any] | None = None,
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. ``dims`` declares a vector reward's dimension names;
     ``f_weights`` (one non-negative weight per dimension) makes the task's scalar f, used by ``vpo eval`` for
-    best@k, a weighted mean instead of the plain mean (MuSiQue: f = (sum of hops + 3 * answer_f1) / 7).
+    best@k, a weighted mean instead of the plain mean (MuSiQue: f = (sum of hops + 3 * answer_f1) / 7);
+    ``real_dims(sample)`` gives the number of real leading dimensions for a record (the rest is padding);
+    ``descriptions`` (one phrase per dimension) is what goal-conditioned GRPO's prompt calls each objective;
     ``answer_key`` (a hashable per answer, or None) says when two answers of one training chain are the same:
     repeats count once (absent, scoring 0), as the reference's maze reward does (see chains.distinct)."""
     names = tuple(dims) if dims else (name,)
     if f_weights is not None and (len(f_weights) != len(names) or min(f_weights) < 0 or not sum(f_weights) > 0):
         raise ValueError(f"reward {name!r}: f_weights needs {len(names)} non-negative weights with a positive sum")
+    if descriptions is not None and (len(descriptions) != len(names) or not all(isinstance(d, str) and d
+                                                                                  for d in descriptions)):
+        raise ValueError(f"reward {name!r}: descriptions needs {len(names)} non-empty strings, one per dimension")
+    if f_weights is not None and real_dims is not None:
+        raise ValueError(f"reward {name!r}: f_weights and real_dims cannot be combined (f over padding is undefined)")
 
     def wrap(fn: RewardFn) -> RewardFn:
         if name in REWARDS and REWARDS[name].fn is not fn:
             raise ValueError(f"reward {name!r} is registered twice ({REWARDS[name].fn.__module__} and {fn.__module__})")
         REWARDS[name] = RewardEntry(name, fn, names, parallel, tuple(map(float, f_weights)) if f_weights else None,
-                                    answer_key)
+                                    real_dims, tuple(descriptions) if descriptions else None, answer_key)
         return fn
 
     return wrap
@@ -113,7 +129,8 @@ def get_reward(name: str) -> RewardEntry:
             raise ValueError(f"reward {name!r} is not callable")
         for entry in REWARDS.values():  # registered by its module under another name: keep its declared dims
             if entry.fn is fn:
-                return RewardEntry(name, fn, entry.dims, entry.parallel)
+                return RewardEntry(name, fn, entry.dims, entry.parallel, real_dims=entry.real_dims,
+                                   descriptions=entry.descriptions, answer_key=entry.answer_key)
         dims = getattr(fn, "dims", None)
         if dims is not None:
             if isinstance(dims, str) or not dims or not all(isinstance(d, str) for d in dims):
@@ -133,10 +150,11 @@ def get_reward(name: str) -> RewardEntry:
 class RewardScores:
     """Scores of one rollout batch. N chains, m candidates, D dimensions."""
 
-    rewards: Tensor  # [N, m, D] float32 in [0, 1]; zero rows where absent
+    rewards: Tensor  # [N, m, D] float32 in [0, 1]; zero rows where absent or where a reward failed
     mask: Tensor  # [N, m] bool, True where the candidate is present
-    num_errors: int = 0  # reward calls that raised or returned an invalid value (scored 0)
+    num_errors: int = 0  # reward calls that raised or returned an invalid value (their candidate scored 0)
     errors: list[str] = field(default_factory=list)  # the first few error reports
+    dim_mask: Tensor | None = None  # [N, D] bool, True on each chain's record's real dimensions; None = all real
 
 
 class RewardDeclarationError(ValueError):
@@ -179,12 +197,43 @@ class RewardVector:
         return len(self.dim_names)
 
     @property
+    def descriptions(self) -> list[str]:
+        """One phrase per dimension (the registered descriptions, else the dimension names)."""
+        return [d for e in self.entries for d in (e.descriptions or e.dims)]
+
+    @property
+    def variable_dims(self) -> bool:
+        """Whether some reward has a per-record number of real dimensions."""
+        return any(e.real_dims is not None for e in self.entries)
+
+    def real_counts(self, entry: RewardEntry, sample: Mapping[str, Any]) -> int:
+        """How many of ``entry``'s dimensions are real for ``sample`` (all, unless it registered ``real_dims``)."""
+        if entry.real_dims is None:
+            return len(entry.dims)
+        try:
+            n = entry.real_dims(sample)
+        except Exception as err:  # a record the reward cannot size is bad data, not bad model output
+            raise ValueError(f"reward {entry.name!r}: cannot tell the number of real dimensions of record "
+                             f"{sample.get('id')!r} ({type(err).__name__}: {err}); check its ground_truth") from err
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(entry.dims):
+            raise ValueError(f"reward {entry.name!r}: record {sample.get('id')!r} has {n!r} real dimensions; it must "
+                             f"have 1..{len(entry.dims)} (e.g. a code record needs at least one test)")
+        return n
+
+    def dim_mask(self, samples: Sequence[Mapping[str, Any]]) -> Tensor:
+        """``[N, D]`` bool: True on the real dimensions of each sample's record."""
+        rows = [[i < self.real_counts(e, s) for e in self.entries for i in range(len(e.dims))] for s in samples]
+        return torch.tensor(rows, dtype=torch.bool).view(len(samples), self.dim)
+
+    @property
     def f_weights(self) -> list[float]:
         """Per-dimension weights of the scalar f (1 for rewards registered without ``f_weights``)."""
         return [w for e in self.entries for w in (e.f_weights or (1.0,) * len(e.dims))]
 
-    def _call(self, entry: RewardEntry, candidate: str, sample: Mapping[str, Any], errors: list[str]) -> list[float]:
-        zeros = [0.0] * len(entry.dims)
+    def _call(self, entry: RewardEntry, candidate: str, sample: Mapping[str, Any],
+              errors: list[str]) -> list[float] | None:
+        """The reward's values padded to its declared width, or None when it raised or returned an invalid value."""
+        width = self.real_counts(entry, sample)
         try:
             out = entry.fn(candidate, sample)
             values = [float(out)] if len(entry.dims) == 1 and not isinstance(out, Sequence) else [float(v) for v in out]
@@ -200,16 +249,17 @@ class RewardVector:
                 report, self._reported = self._reported < self.MAX_REPORTS, self._reported + 1
             if report:
                 log.warning(message)
-            return zeros
-        if len(values) != len(entry.dims):
+            return None
+        if len(values) != width:
+            real = f" ({width} real for record {sample.get('id')!r})" if width != len(entry.dims) else ""
             raise RewardDeclarationError(
                 f"reward {entry.name!r} returned {len(values)} values but declares {len(entry.dims)} dimension(s) "
-                f"{list(entry.dims)}: declare a vector reward's dimensions with register(name, dims=(...)) or, for a "
-                "dotted path, a dims attribute on the function (fn.dims = ('a', 'b'))"
+                f"{list(entry.dims)}{real}: declare a vector reward's dimensions with register(name, dims=(...)) or, "
+                "for a dotted path, a dims attribute on the function (fn.dims = ('a', 'b'))"
             )
         with self._lock:
             self.successes[entry.name] += 1
-        return values
+        return values + [0.0] * (len(entry.dims) - width)
 
     def _check_broken(self) -> None:
         if self.fail_after is None:
@@ -223,7 +273,8 @@ class RewardVector:
                 )
 
     def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
-        """Score ``candidates[n][j]`` (None = absent) of chain n against its record ``samples[n]``."""
+        """Score ``candidates[n][j]`` (None = absent) of chain n against its record ``samples[n]``; a candidate on
+        which any reward fails scores 0 on every dimension."""
         if len(candidates) != len(samples):
             raise ValueError(f"candidates has {len(candidates)} chains but samples has {len(samples)}")
         n_chains, m = len(candidates), max((len(c) for c in candidates), default=0)
@@ -233,6 +284,8 @@ class RewardVector:
         for i, j, _ in jobs:
             mask[i, j] = True
         errors: list[str] = []
+        dim_mask = self.dim_mask(samples) if self.variable_dims else None  # [N, D]; bad records fail here, at once
+        failed = torch.zeros(n_chains, m, dtype=torch.bool)  # [N, m]
         col = 0
         for entry in self.entries:
             width = len(entry.dims)
@@ -242,7 +295,11 @@ class RewardVector:
             else:
                 results = [self._call(entry, c, samples[i], errors) for i, j, c in jobs]
             for (i, j, _), values in zip(jobs, results):
-                rewards[i, j, col : col + width] = torch.tensor(values)
+                if values is None:
+                    failed[i, j] = True
+                else:
+                    rewards[i, j, col : col + width] = torch.tensor(values)
             col += width
+        rewards[failed] = 0.0  # the whole candidate scores 0, not only the failing reward's dimensions
         self._check_broken()
-        return RewardScores(rewards, mask, len(errors), errors[: self.MAX_REPORTS])
+        return RewardScores(rewards, mask, len(errors), errors[: self.MAX_REPORTS], dim_mask)

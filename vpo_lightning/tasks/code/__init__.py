@@ -8,9 +8,12 @@ would give every candidate, even an empty one, a free point; so are the 3 tautol
 compare ``candidate(x)`` with the entry point itself. At most :data:`NUM_TEST_DIMS` (16) tests are kept,
 the first ones in order (two problems have 25 and 26).
 
-Reward dimensions. The reward tensor has one fixed D per batch, so the reward always has 16 dimensions; a problem
-with t < 16 tests fills dimension i with test ``i mod t``. Every dimension is a real test, and Dirichlet weights
-over the 16 dimensions become (random) weights over the t tests.
+Reward dimensions. D is the problem's real number of tests t (at most 16), as the paper's code task: the reward
+returns t values, one per test. A batch that mixes problems is one ``[.., 16]`` tensor whose dimensions past t are
+padding: the reward is registered with ``real_dims`` (:func:`num_tests`), so the registry scores padding 0 and marks
+it False in the dimension mask, and the estimators draw Dirichlet weights over the t real tests only and average f
+over them (:mod:`vpo_lightning.advantages`). Repeating tests to fill 16 dimensions instead (the earlier rule) gave,
+with 3 tests, one test 6/16 of the weight and the others 5/16.
 
 Candidate programs. The candidate text is the first ```python (or untagged) fenced block if there is one, else
 the whole text. If it defines the entry-point function at top level, the program is the problem prompt without
@@ -311,18 +314,17 @@ def run_tests(
     return passed + [False] * (len(tests) - len(passed))
 
 
-def fill_dims(passed: Sequence[bool], dims: int = NUM_TEST_DIMS) -> list[float]:
-    """Per-test results to ``dims`` reward values: dimension i holds test ``i mod t`` (all 0 if t = 0)."""
-    if not passed:
-        return [0.0] * dims
-    return [1.0 if passed[i % len(passed)] else 0.0 for i in range(dims)]
+def num_tests(sample: Mapping[str, Any], cap: int = NUM_TEST_DIMS) -> int:
+    """The record's D: its number of tests, at most ``cap`` (the reward's ``real_dims``)."""
+    return min(len(sample["ground_truth"]["tests"]), cap)
 
 
 def code_tests_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
-    """The code reward (registered as ``code_tests``): 16 per-test pass/fail values in {0, 1}."""
+    """The code reward (registered as ``code_tests``): one pass/fail value in {0, 1} per test (D = the record's
+    number of tests, at most 16)."""
     if not isinstance(candidate, str) or not candidate.strip():
-        return [0.0] * NUM_TEST_DIMS
-    return fill_dims(run_tests(candidate, sample["ground_truth"]))
+        return [0.0] * num_tests(sample)
+    return [1.0 if ok else 0.0 for ok in run_tests(candidate, sample["ground_truth"])[:NUM_TEST_DIMS]]
 
 
 def score_candidates(
@@ -349,6 +351,6 @@ def canonical_candidate(problem: Mapping[str, Any]) -> str:
 
 __all__ = [
     "NUM_TEST_DIMS", "SandboxCallError", "build_program", "canonical_candidate", "code_tests_reward",
-    "extract_code", "fill_dims", "humaneval_path", "load_humaneval", "make_record", "run_tests",
+    "extract_code", "humaneval_path", "load_humaneval", "make_record", "num_tests", "run_tests",
     "score_candidates", "split_tests",
 ]

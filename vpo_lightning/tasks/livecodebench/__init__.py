@@ -26,8 +26,8 @@ expected value happens in the reward process, on plain data. Every program gets 
 import *`` and common standard modules) first, as LiveCodeBench's own runner does. Once
 :data:`TOTAL_TIMEOUT_S` is spent on a candidate, its remaining tests fail.
 
-Reward ``lcb_tests``: 16 values in {0, 1}; a problem with t < 16 kept tests fills dimension i with test ``i mod t``
-(as the HumanEval task does), so every dimension is a real test.
+Reward ``lcb_tests``: one value in {0, 1} per kept test, D = t (at most 16; the paper's "D = number of tests"); in a
+batch the dimensions past t are padding that the registry masks (``real_dims``, as the HumanEval task does).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from vpo_lightning.sandbox import FunctionSession, SandboxCallError, run_python
-from vpo_lightning.tasks.code import extract_code, fill_dims
+from vpo_lightning.tasks.code import extract_code, num_tests
 
 TASK = "livecodebench"
 NUM_TEST_DIMS = 16
@@ -343,10 +343,11 @@ def run_tests(candidate: str, ground_truth: Mapping[str, Any], *, total_timeout_
 
 
 def lcb_reward(candidate: str, sample: Mapping[str, Any]) -> list[float]:
-    """The ``lcb_tests`` reward: 16 per-test pass/fail values; malformed or empty answers score zeros."""
+    """The ``lcb_tests`` reward: one pass/fail value per kept test (at most 16); malformed or empty answers score
+    zeros."""
     if not isinstance(candidate, str) or not candidate.strip():
-        return [0.0] * NUM_TEST_DIMS
-    return fill_dims(run_tests(candidate, sample["ground_truth"]), NUM_TEST_DIMS)
+        return [0.0] * num_tests(sample)
+    return [1.0 if ok else 0.0 for ok in run_tests(candidate, sample["ground_truth"])[:NUM_TEST_DIMS]]
 
 
 __all__ = ["DIMS", "NUM_TEST_DIMS", "build_program", "contest_date", "decode_tests", "encode_private_tests",

@@ -364,7 +364,7 @@ def _abstention(candidate: str, sample: Mapping[str, Any]) -> float:
 # ---------------------------------------------------------------- the registered rewards
 
 
-@register("format")
+@register("format", descriptions=["Producing a well-formed structured response"])
 def format_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     """1 iff the answer has the expected shape, else 0.
 
@@ -381,7 +381,7 @@ def format_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     return float(ok)
 
 
-@register("tool_name")
+@register("tool_name", descriptions=["Calling the right tools"])
 def tool_name_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     """Multiset F1 of the called tool names against the gold names (no call expected: :func:`_abstention`)."""
     gold = Counter(name for name, _ in gold_calls(sample))
@@ -391,14 +391,14 @@ def tool_name_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     return _f1(sum((pred & gold).values()), sum(pred.values()), sum(gold.values()))
 
 
-@register("arg_key")
+@register("arg_key", descriptions=["Filling in the right argument keys"])
 def arg_key_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     """Mean argument-key F1 over aligned call pairs; unmatched calls on either side count 0 (no call expected:
     :func:`_abstention`)."""
     return _pair_mean(candidate, sample, key_f1)
 
 
-@register("arg_value")
+@register("arg_value", descriptions=["Using the right argument values"])
 def arg_value_reward(candidate: str, sample: Mapping[str, Any]) -> float:
     """Mean fraction of matching gold argument values over aligned call pairs; unmatched calls count 0."""
     return _pair_mean(candidate, sample, value_score)

@@ -16,7 +16,8 @@
 # $RESULTS_DIR/<method>-s<seed>/ and committed in $RESULTS_REPO (only those files), so no finished seed is lost.
 #
 # Knobs [defaults]: SEED [0], SFT_ADAPTER [checkpoints/maze5-sft/adapters/last], N [24 solutions per maze: 8 chains
-# of 3], PROMPTS [50 test mazes], TEMPERATURE [0.7, docs/FIDELITY.md], THREADS [1: two runs side by side on two
+# of 3], PROMPTS [50 test mazes], TEMPERATURE [0.7, docs/FIDELITY.md], EVAL_MAX_NEW_TOKENS [256: one budget for every
+# method at evaluation, the chain budget, as the reference evaluates (VPO-SPEC section 6)], THREADS [1: two runs side by side on two
 # cores], RESULTS_REPO [.: the checkout that records results; the main checkout when running from an experiment
 # checkout], RESULTS_DIR [docs/results/maze], COMMIT [1], PREFIX [maze5: runs checkpoints/$PREFIX-<method>-s<seed>],
 # MAX_STEPS [the config's], EXTRA_FIT [more `vpo fit` arguments], EXTRA_EVAL [more `vpo eval` arguments],
@@ -42,6 +43,7 @@ SFT_ADAPTER=${SFT_ADAPTER:-checkpoints/maze5-sft/adapters/last}
 N=${N:-24}
 PROMPTS=${PROMPTS:-50}
 TEMPERATURE=${TEMPERATURE:-0.7}
+EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-256}
 THREADS=${THREADS:-1}
 COMMIT=${COMMIT:-1}
 PREFIX=${PREFIX:-maze5}
@@ -89,7 +91,7 @@ if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
-    --set "rollout.eval_temperature=$TEMPERATURE" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
+    --set "rollout.eval_temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
   printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
 fi
 

@@ -1,0 +1,63 @@
+"""benchmarks/maze_protocol.sh end to end on the random tiny model (slow): train, evaluate, record and commit one
+(method, seed); a second call with more steps resumes from the checkpoint and re-evaluates; the report is rebuilt
+from the committed files alone. Numbers are meaningless; the plumbing is what is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_FIT = ("--model.model.name=tiny-llama --data.batch_size=1 --rollout.group_size=2 --model.optim.mini_batches=1 "
+            "--trainer.val_check_interval=null --trainer.limit_val_batches=0 --rollout.sampling.max_new_tokens=16")
+TINY_EVAL = "--set model.model.name=tiny-llama"
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path) -> str:
+    out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
+    results = tmp_path / "results_repo"
+    results.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=results, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "0"],
+                   cwd=results, check=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PY": sys.executable, "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    prefix = f"pytest-{os.getpid()}"
+    adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
+    try:
+        _run([sys.executable, "-m", "vpo_lightning.cli", "sft", "--config", "configs/maze5_sft.yaml",
+              "--model.model.name", "tiny-llama", "--trainer.max_steps", "1", "--run_name", f"{prefix}-sft",
+              "--data.max_train_examples", "8", "--trainer.val_check_interval", "1"], env, ROOT)
+        env.update(METHOD="vpo", SEED="0", PREFIX=prefix, SFT_ADAPTER=str(adapter), N="3", PROMPTS="2",
+                   RESULTS_REPO=str(results), EXTRA_FIT=TINY_FIT, EXTRA_EVAL=TINY_EVAL, EVAL_MAX_NEW_TOKENS="16")
+        first = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "1"}, ROOT)
+        assert "from step 0 of 1" in first and "=== committed docs/results/maze/vpo-s0" in first
+        again = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "1"}, ROOT)
+        assert "=== train" not in again and "=== eval" not in again  # finished: neither retrained nor re-evaluated
+        resumed = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "2"}, ROOT)
+        assert "from step 1 of 2" in resumed and "=== eval vpo-s0" in resumed  # resumed, stale evaluation redone
+        run = results / "docs" / "results" / "maze" / "vpo-s0"
+        assert {p.name for p in run.iterdir()} >= {"eval.json", "positions.json", "curves.json", "run_summary.md",
+                                                   "times.tsv", "adapter.sha256", "commit.txt"}
+        assert [r.split("\t")[:3] for r in (run / "times.tsv").read_text().splitlines() if r.startswith("train")] \
+            == [["train", f"{prefix}-vpo-s0", "0"], ["train", f"{prefix}-vpo-s0", "1"]]
+        pos = json.loads((run / "positions.json").read_text())
+        assert pos["m"] == 3 and len(pos["parse_rate"]) == 3 and pos["chains"] == 2  # 2 prompts x 1 chain of 3
+        log = subprocess.run(["git", "log", "--format=%s"], cwd=results, capture_output=True, text=True).stdout
+        assert log.count("maze results: vpo-s0") == 3
+        report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
+        text = (results / "docs" / "results_maze.md").read_text()
+        assert "wrote" in report and "| VPO | vpo | 3 | 1 | 2 |" in text and "## Training curves" in text
+    finally:
+        subprocess.run(["rm", "-rf", *[str(p) for p in (ROOT / "checkpoints").glob(f"{prefix}-*")]], check=False)

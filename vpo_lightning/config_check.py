@@ -239,7 +239,7 @@ def find_bad_values(parser: Any, argv: Sequence[str]) -> list[str]:
             continue
         alias = VALUE_ALIASES.get(str(value).lower())
         hint = f" Did you mean {alias!r}?" if alias in allowed else ""
-        problems.append(f"{where}: {key}: {value!r} is not one of {', '.join(map(str, allowed))}.{hint}")
+        problems.append(f"{where}: {key}: {value!r} is not one of {', '.join(map(repr, allowed))}.{hint}")
     return problems
 
 

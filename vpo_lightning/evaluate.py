@@ -37,7 +37,7 @@ from vpo_lightning.runs import (
     pick_device,
     read_scalars,
 )
-from vpo_lightning.tools import run_command
+from vpo_lightning.tools import parse_args, run_command
 
 log = logging.getLogger(__name__)
 
@@ -525,4 +525,4 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo eval``."""
-    return run_command("vpo eval", build_parser().parse_args(argv), run, "eval.json", summary)
+    return run_command("vpo eval", parse_args(build_parser(), argv), run, "eval.json", summary)

@@ -67,8 +67,9 @@ def unknown_command(name: str) -> str | None:
         return None
     if name in RENAMED:
         return f"vpo: error: there is no 'vpo {name}': use 'vpo {RENAMED[name]}' (vpo {RENAMED[name]} --help)"
-    close = difflib.get_close_matches(name, list(table), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    names = list(table)  # ties go to the command listed first (fit before sft for "fti")
+    ratio, _, best = max((difflib.SequenceMatcher(None, name, c).ratio(), -i, c) for i, c in enumerate(names))
+    hint = f" Did you mean {best!r}?" if ratio >= 0.6 else ""
     return f"vpo: error: unknown command {name!r}.{hint} Commands: {', '.join(table)} (vpo --help)"
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from vpo_lightning.runs import add_run_args
-from vpo_lightning.tools import run_command
+from vpo_lightning.tools import parse_args, run_command
 
 log = logging.getLogger(__name__)
 
@@ -271,4 +271,4 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo search``."""
-    return run_command("vpo search", build_parser().parse_args(argv), run, "search.json", summary)
+    return run_command("vpo search", parse_args(build_parser(), argv), run, "search.json", summary)

@@ -111,12 +111,16 @@ def entry_for(name: str, fn: Callable[..., Any]) -> RewardEntry:
 
 
 def register_callable(fn: Callable[..., Any]) -> str:
-    """Register a reward callable given from Python (the notebook entry point) under its ``__name__``; returns
-    that name. A different function already registered under the name is refused."""
+    """Register a reward callable given from Python (the notebook entry point); returns the name the config uses:
+    its dotted path when its module can be imported again (so the saved config.yaml runs from the command line),
+    else its ``__name__``. A different function already registered under that name is refused."""
     name = getattr(fn, "__name__", None)
     if not name or name == "<lambda>":
         raise ValueError(f"reward {fn!r}: give a named function (def ...), not a lambda: its name names the "
                          "reward dimension in the logs")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", name)
+    if module and module != "__main__" and "<locals>" not in qualname:
+        name = f"{module}.{qualname}"
     _load_builtins()
     if name in REWARDS and REWARDS[name].fn is not fn:
         raise ValueError(f"reward {name!r}: a different reward is registered under this name "

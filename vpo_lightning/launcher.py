@@ -37,7 +37,7 @@ def _summary(module: str) -> str:
     line = doc.strip().splitlines()[0] if doc.strip() else ""
     if line.startswith("``") and "``: " in line:
         line = line.split("``: ", 1)[1]
-    return line.rstrip(".")
+    return line.replace("``", "").rstrip(".")
 
 
 def commands() -> dict[str, str]:

@@ -184,7 +184,8 @@ GOOD = '{"messages": [{"role": "user", "content": "hi"}]}\n'
     (None, "does not exist (check data.train_files"),
     ("", "is empty: it needs one JSON record per line"),
     (GOOD + "{oops\n", "train.jsonl:2: not valid JSON"),
-    (GOOD + '{"prompt": "hi"}\n', "train.jsonl:2: missing field 'messages'"),
+    (GOOD + '{"question": "hi"}\n', "train.jsonl:2: missing field 'messages'"),  # TRL's 'prompt' is read
+    (GOOD + '{"prompt": 3}\n', "train.jsonl:2: 'prompt' must be a string"),
 ])
 def test_bad_data_files_name_the_file_and_line(content, expected, tmp_path, capsys):
     path = tmp_path / "train.jsonl"

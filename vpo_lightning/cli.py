@@ -7,7 +7,10 @@
     vpo sft --config configs/tooluse_sft.yaml               # supervised cold start (vpo_lightning/sft/)
 
 Outputs go to ``checkpoints/<run_name>/``: ``config.yaml``, TensorBoard logs, ``last.ckpt``/``step=N.ckpt`` and the
-PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step=N``).
+PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step=N``). A run prints one line naming
+its ``config.yaml`` (``--print_config`` prints the configuration and exits); warnings that need action are printed
+again after the run. The ``vpo`` console script is :mod:`vpo_lightning.launcher`, which lists the commands without
+importing this module.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vpo_lightning import config_check, progress
+from vpo_lightning import config_check, launcher, progress
 from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
@@ -41,8 +44,9 @@ _QUIET = (  # Lightning warnings that do not apply to this app's design
     ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; see below
     ".*LeafSpec.* is deprecated.*",  # inside Lightning's pytree helper, nothing the user can change
     ".*resuming from a checkpoint that ended before the epoch ended.*",  # the datamodule resumes at its position
+    ".*args parameter is intended to run from within Python.*",  # main() passes sys.argv on as args, on purpose
 )
-_SUBCOMMANDS_WITH_RUN = ("fit", "validate", "test")
+_SUBCOMMANDS_WITH_RUN = ("fit", "validate")
 log = logging.getLogger("vpo_lightning.cli")
 
 
@@ -64,6 +68,12 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 class VPOCLI(LightningCLI):
     """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` only: LightningCLI's ``test``/``predict`` have no meaning here (``vpo eval``)."""
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"}}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=str, default="vpo", help="outputs go to checkpoints/<run_name>/")
         parser.add_lightning_class_args(RolloutCallback, "rollout")
@@ -71,8 +81,12 @@ class VPOCLI(LightningCLI):
         parser.link_arguments("model.model.name", "data.tokenizer")
         parser.set_defaults(TRAINER_DEFAULTS)
 
+    PROGS = {"fit": "vpo fit", "validate": "vpo validate"}  # what each subcommand's --help calls itself
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
+        for name, sub in getattr(self, "_subcommand_parsers", {}).items():
+            sub.prog = self.PROGS.get(name, sub.prog)
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         saved = [p.exit_on_error for p in parsers]
         for p in parsers:
@@ -108,15 +122,16 @@ class VPOCLI(LightningCLI):
         if not cfg["checkpoint"].get("dirpath"):
             cfg["checkpoint"]["dirpath"] = run_dir
         if self.subcommand == "fit" and (warning := progress.earlier_run_warning(run_dir, bool(cfg.get("ckpt_path")))):
-            log.warning(warning)
+            progress.action_needed(warning)
         if self.subcommand == "fit" and cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _last_checkpoint(run_dir)
 
     def before_fit(self) -> None:
-        """Print the effective configuration at start (it is also saved as config.yaml beside the outputs)."""
+        """Name the file the effective configuration is saved to (``--print_config`` prints it instead)."""
         if self.trainer.is_global_zero:
-            text = self._parser("fit").dump(self.config["fit"], skip_none=False, skip_check=True)
-            print("Effective configuration:\n" + text, flush=True)
+            name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
+            path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
+            print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
 
 
 def _last_checkpoint(run_dir: str) -> str:
@@ -126,35 +141,57 @@ def _last_checkpoint(run_dir: str) -> str:
     return str(path)
 
 
-def main(args: list[str] | None = None) -> Any:
-    """Entry point of the ``vpo`` console script."""
+def prepare_process() -> None:
+    """What every ``vpo`` command sets up first: quiet library noise that needs no action, and the log format."""
     for pattern in _QUIET:
         warnings.filterwarnings("ignore", message=pattern)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     progress.quiet_lightning_logs()
+    progress.quiet_libraries()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_lightning(args: list[str]) -> VPOCLI:
+    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are)."""
+    return VPOCLI(
+        VPOModule,
+        PromptDataModule,
+        args=args,
+        parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
+        save_config_kwargs={"overwrite": True},
+        subclass_mode_model=False,
+        subclass_mode_data=False,
+        auto_configure_optimizers=False,  # the module's optimizer settings are model.optim.*; no --optimizer
+    )
+
+
+def main(args: list[str] | None = None) -> Any:
+    """Run one ``vpo`` command (the console script is :func:`vpo_lightning.launcher.main`, which lands here)."""
+    prepare_process()
     tune_malloc()  # keep freed logits-sized buffers in the heap; VPO_MALLOC_TUNING=0 turns it off
     argv = sys.argv[1:] if args is None else args
-    if argv and argv[0] == "sft":  # supervised cold start (vpo_lightning/sft/)
-        from vpo_lightning.sft.cli import main as sft_main
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(launcher.top_help())
+        return None
+    if not argv[0].startswith("-") and (message := launcher.unknown_command(argv[0])):
+        print(message, file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        if argv[0] == "sft":  # supervised cold start (vpo_lightning/sft/)
+            from vpo_lightning.sft.cli import main as sft_main
 
-        return sft_main(list(argv[1:]))
-    if argv and argv[0] in ("eval", "compare", "plan", "serve", "search"):
+            return sft_main(list(argv[1:]))
         from vpo_lightning import tools
 
-        return tools.main(argv)
-    try:
-        VPOCLI(
-            VPOModule,
-            PromptDataModule,
-            args=args,
-            parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
-            save_config_kwargs={"overwrite": True},
-            subclass_mode_model=False,
-            subclass_mode_data=False,
-        )
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:
-        raise SystemExit(report_error("vpo", err)) from None
+        if argv[0] in tools.COMMANDS:
+            return tools.main(list(argv))
+        try:
+            run_lightning(list(argv))
+        except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError,
+                MisconfigurationException) as err:
+            raise SystemExit(report_error("vpo", err)) from None
+    finally:
+        progress.print_action_needed()
     return None
 
 

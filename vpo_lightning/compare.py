@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vpo_lightning.evaluate import FORMAT, plot_curves
+from vpo_lightning.tools import parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo compare``."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as err:

@@ -14,11 +14,58 @@ import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
 _SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
 _GROUP_ACTIONS = ("_ActionConfigLoad",)  # "--rollout CONFIG": a section, not a leaf
+
+
+# TRL's GRPOConfig / script names -> ours, with what differs (docs/COMING_FROM_TRL.md has the whole table)
+TRL_NAMES: dict[str, tuple[str, str]] = {
+    "learning_rate": ("model.optim.lr", ""),
+    "num_generations": ("rollout.group_size", "chains sampled per prompt"),
+    "max_completion_length": ("rollout.sampling.max_new_tokens", ""),
+    "per_device_train_batch_size": ("data.batch_size", "counts prompts here; a step trains on batch_size x "
+                                    "group_size chains"),
+    "gradient_accumulation_steps": ("data.batch_size", "a step's batch is data.batch_size prompts; "
+                                    "model.optim.micro_batch_size bounds memory"),
+    "beta": ("model.loss.beta", ""),
+    "epsilon": ("model.loss.clip_low", ""),
+    "epsilon_high": ("model.loss.clip_high", ""),
+    "loss_type": ("model.loss.aggregation", ""),
+    "temperature": ("rollout.sampling.temperature", ""),
+    "top_p": ("rollout.sampling.top_p", ""),
+    "top_k": ("rollout.sampling.top_k", ""),
+    "max_prompt_length": ("data.max_prompt_tokens", ""),
+    "num_iterations": ("model.optim.num_iterations", ""),
+    "max_grad_norm": ("model.optim.max_grad_norm", ""),
+    "weight_decay": ("model.optim.weight_decay", ""),
+    "warmup_steps": ("model.optim.warmup_steps", ""),
+    "num_train_epochs": ("trainer.max_epochs", ""),
+    "logging_steps": ("trainer.log_every_n_steps", ""),
+    "save_steps": ("checkpoint.every_n_train_steps", ""),
+    "output_dir": ("run_name", "outputs go to checkpoints/<run_name>/"),
+    "seed": ("seed_everything", "and rollout.seed for sampling"),
+    "reward_funcs": ("rollout.rewards", "TRL reward functions work as dotted paths"),
+    "reward_weights": ("rollout.rewards", "VPO samples the weights (rollout.num_weights); there are none to set"),
+    "use_vllm": ("rollout.engine", "--rollout.engine=vpo_lightning.engines.VLLMEngine"),
+    "model_name_or_path": ("model.model.name", ""),
+    "torch_dtype": ("model.model.dtype", "bf16, fp32, fp16 or auto"),
+    "bf16": ("model.model.dtype", "--model.model.dtype=bf16"),
+    "fp16": ("model.model.dtype", "--model.model.dtype=fp16"),
+    "use_peft": ("model.model.lora.enabled", ""),
+    "lora_r": ("model.model.lora.r", ""),
+    "lora_alpha": ("model.model.lora.alpha", ""),
+    "lora_dropout": ("model.model.lora.dropout", ""),
+    "lora_target_modules": ("model.model.lora.target_modules", ""),
+    "dataset_name": ("data.train_files", "a file, a save_to_disk folder or a Hub id"),
+    "train_dataset": ("data.train_files", "a file, a save_to_disk folder or a Hub id"),
+    "eval_dataset": ("data.val_files", ""),
+}
+# value spellings of torch/TRL -> ours, for the Literal dtype keys
+VALUE_ALIASES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+                 "torch.float32": "fp32", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -28,12 +75,21 @@ class UnknownKey:
     key: str
     where: str  # "the command line" or a config file path
     suggestions: tuple[str, ...] = ()
+    note: str = ""  # e.g. TRL's name for the suggested key
 
     def message(self) -> str:
         hint = ""
         if self.suggestions:
             hint = " Did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?"
-        return f"unknown key {self.key!r} in {self.where}.{hint}"
+        return f"unknown key {self.key!r} in {self.where}.{hint}{' ' + self.note if self.note else ''}"
+
+
+def _unknown(key: str, where: str, known: frozenset[str]) -> UnknownKey:
+    last = key.rpartition(".")[2]
+    if last in TRL_NAMES and TRL_NAMES[last][0] in known:
+        ours, why = TRL_NAMES[last]
+        return UnknownKey(key, where, (ours,), f"({last} is TRL's name{': ' + why if why else ''})")
+    return UnknownKey(key, where, tuple(suggest(key, known)))
 
 
 def known_keys(parser: Any) -> tuple[frozenset[str], frozenset[str]]:
@@ -120,7 +176,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
 
     leaves, sections = known_keys(parser)
     known = leaves | sections
-    found = [UnknownKey(k, "the command line", tuple(suggest(k, known)))
+    found = [_unknown(k, "the command line", known)
              for k in command_line_keys(argv) if k not in ("help", "config") and not is_known(k, leaves, sections)]
     for path in config_paths(argv):
         try:
@@ -128,8 +184,63 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
-            found += [UnknownKey(k, path, tuple(suggest(k, known))) for k in config_file_keys(data, leaves, sections)]
+            found += [_unknown(k, path, known) for k in config_file_keys(data, leaves, sections)]
     return found
+
+
+def _choices(parser: Any) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of every ``Literal``-typed key of ``parser``."""
+    out = {}
+    for action in getattr(parser, "_actions", []):
+        hint = getattr(action, "_typehint", None)
+        if getattr(hint, "__origin__", None) is Literal:
+            out[action.dest] = hint.__args__
+    return out
+
+
+def _yaml_lines(path: str) -> dict[str, tuple[Any, int]]:
+    """``dotted key -> (value, line)`` of the scalar values of a YAML file."""
+    import yaml
+
+    out: dict[str, tuple[Any, int]] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                walk(v, f"{prefix}{k.value}.")
+        elif isinstance(node, yaml.ScalarNode):
+            out[prefix[:-1]] = (yaml.safe_load(node.value) if node.style is None else node.value,
+                                node.start_mark.line + 1)
+
+    try:
+        walk(yaml.compose(Path(path).read_text(encoding="utf-8")), "")
+    except (OSError, yaml.YAMLError):
+        pass
+    return out
+
+
+def find_bad_values(parser: Any, argv: Sequence[str]) -> list[str]:
+    """Values of choice keys (``model.model.dtype`` ...) outside their choices, in ``--config`` files (with the
+    line) and on the command line, each with the allowed values and the closest one (``bfloat16`` -> ``bf16``)."""
+    choices = _choices(parser)
+    given: list[tuple[str, Any, str]] = []
+    for path in config_paths(argv):
+        given += [(k, v, f"{path}, line {line}") for k, (v, line) in _yaml_lines(path).items()]
+    for i, token in enumerate(argv):
+        if token.startswith("--") and len(token) > 2:
+            key, eq, value = token[2:].partition("=")
+            if not eq and i + 1 < len(argv):
+                value = argv[i + 1]
+            given.append((key, value, "the command line"))
+    problems = []
+    for key, value, where in given:
+        allowed = choices.get(key)
+        if allowed is None or value in allowed or str(value) in map(str, allowed):
+            continue
+        alias = VALUE_ALIASES.get(str(value).lower())
+        hint = f" Did you mean {alias!r}?" if alias in allowed else ""
+        problems.append(f"{where}: {key}: {value!r} is not one of {', '.join(map(repr, allowed))}.{hint}")
+    return problems
 
 
 def _yaml_loader() -> type:
@@ -212,6 +323,7 @@ def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Seque
         lines += bad_files
     elif subcommand_parser is not None:
         lines += [u.message() for u in find_unknown_keys(subcommand_parser, argv[1:])]
+        lines += find_bad_values(subcommand_parser, argv[1:]) if not lines else []
     if not lines:
         lines.append(" ".join(message.split()))  # jsonargparse's message, on one line
     sub = argv[0] if argv and argv[0] in subcommands else "fit"

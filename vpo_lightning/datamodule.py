@@ -1,4 +1,5 @@
-"""Prompt data: JSONL records (see docs/ARCHITECTURE.md), validated at setup, streamed B prompts a step.
+"""Prompt data: records from JSONL, JSON, Parquet, CSV or a saved ``datasets`` folder (:mod:`vpo_lightning.records`;
+TRL's ``prompt`` formats too), validated at setup, streamed B prompts a step.
 
 Batches are yielded by an iterable dataset that knows its position: the number of batches the trainer has consumed.
 Shuffling is a seeded permutation per epoch, so (seed, position) fixes what comes next, and the position is saved in
@@ -8,69 +9,16 @@ With several ranks, each global batch of ``B * world_size`` prompts is split by 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-REQUIRED_FIELDS = ("messages",)
-_ROLES = {"system", "user", "assistant", "tool"}
+from vpo_lightning.records import read_jsonl, read_records, template_tools
 
-
-def _check_record(record: Any, where: str) -> None:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for key in REQUIRED_FIELDS:
-        if key not in record:
-            raise ValueError(f"{where}: missing field {key!r} (each line needs at least 'messages')")
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in _ROLES or not isinstance(msg.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] must be {{'role': one of {sorted(_ROLES)}, 'content': str}}")
-    if messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the last message must have role 'user' (the prompt to answer)")
-    from vpo_lightning.tasks.code.build import check_code_record
-
-    check_code_record(record, where)
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read and validate a JSONL prompt file; errors name the file, the line and the problem."""
-    path = Path(path)
-    if path.is_dir():
-        inside = sorted(p.name for p in path.glob("*.jsonl"))[:4]
-        hint = f"name a file inside it ({', '.join(inside)})" if inside else "name a JSONL file (one record per line)"
-        raise ValueError(f"data file {str(path)!r} is a directory: {hint} in data.train_files / data.val_files")
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist (check data.train_files / data.val_files)")
-    records = []
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                                 "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            _check_record(record, where)
-            record.setdefault("id", f"{path.stem}-{lineno}")
-            records.append(record)
-    if not records:
-        raise ValueError(f"data file {str(path)!r} is empty: it needs one JSON record per line")
-    return records
-
+__all__ = ["PromptDataModule", "PromptStream", "StreamDataModule", "read_jsonl", "read_records"]
 
 class PromptStream(IterableDataset):
     """Yields batches ``{"records": [...], "position": int}`` starting at ``position``; see the module docstring."""
@@ -141,11 +89,13 @@ class StreamDataModule(L.LightningDataModule):
 
 
 class PromptDataModule(StreamDataModule):
-    """Streams prompts from JSONL files.
+    """Streams prompts from data files.
 
     Args:
-        train_files: JSONL files with training prompts (one record a line; see docs/ARCHITECTURE.md).
-        val_files: JSONL files with validation prompts (optional).
+        train_files: training prompts: JSONL files (one record a line; see docs/ARCHITECTURE.md), or JSON, Parquet,
+            CSV files, folders written by ``datasets``' ``save_to_disk``, Hub dataset ids (``owner/name[:split]``,
+            needs a Hub connection). Records are ours (``messages``) or TRL's (``prompt``): docs/COMING_FROM_TRL.md.
+        val_files: validation prompts, in the same forms (optional).
         batch_size: prompts per step (B); each prompt is expanded to G chains by the rollout.
         val_batch_size: prompts per validation step.
         max_val_prompts: use at most this many validation prompts (the first ones in the file).
@@ -184,7 +134,7 @@ class PromptDataModule(StreamDataModule):
         from vpo_lightning.models import load_tokenizer, prompt_token_ids
 
         tok = load_tokenizer(self.tokenizer)
-        lengths = [len(prompt_token_ids(tok, r["messages"])) for r in records]
+        lengths = [len(prompt_token_ids(tok, r["messages"], template_tools(r))) for r in records]
         kept = [r for r, n in zip(records, lengths) if n <= self.max_prompt_tokens]
         if not kept:
             raise ValueError(
@@ -195,14 +145,14 @@ class PromptDataModule(StreamDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_stream is None and stage in (None, "fit"):
-            records = self._filter_length([r for f in self.train_files for r in read_jsonl(f)])
+            records = self._filter_length([r for f in self.train_files for r in read_records(f)])
             if self.max_train_prompts:
                 records = records[: self.max_train_prompts]
             self.train_stream = self._stream(records, self.batch_size, position=self._position)
             if len(records) < self.batch_size * self.train_stream.world_size:
                 raise ValueError(f"{len(records)} training prompts is fewer than one batch (data.batch_size)")
         if not self.val_records and self.val_files:
-            val = [r for f in self.val_files for r in read_jsonl(f)]
+            val = [r for f in self.val_files for r in read_records(f)]
             self.val_records = self._filter_length(val)[: self.max_val_prompts or None]
 
     def val_dataloader(self) -> DataLoader:

@@ -37,7 +37,7 @@ from vpo_lightning.runs import (
     pick_device,
     read_scalars,
 )
-from vpo_lightning.tools import run_command
+from vpo_lightning.tools import parse_args, run_command
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,14 @@ def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
 def select_prompts(records: list[dict], tokenizer: Any, max_prompts: int, max_tokens: int, seed: int) -> list[dict]:
     """A seeded random sample of ``max_prompts`` records whose chat prompt has at most ``max_tokens`` tokens."""
     from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.records import template_tools
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     picked: list[dict] = []
     for i in order:
-        if max_tokens and len(prompt_token_ids(tokenizer, records[i]["messages"])) > max_tokens:
+        ids = prompt_token_ids(tokenizer, records[i]["messages"], template_tools(records[i])) if max_tokens else []
+        if max_tokens and len(ids) > max_tokens:
             continue
         picked.append(records[i])
         if len(picked) == max_prompts:
@@ -183,8 +185,10 @@ def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
 def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
     """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
     from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.records import template_tools
 
-    return [prompt_token_ids(tokenizer, messages) for messages in protocol.chain_messages(record, chains, seed)]
+    tools = template_tools(record)
+    return [prompt_token_ids(tokenizer, messages, tools) for messages in protocol.chain_messages(record, chains, seed)]
 
 
 def generate_rows(run: Sampler, ns: Any, per_record: list[list[list[int]]]) -> Any:
@@ -408,14 +412,15 @@ def _check_args(args: argparse.Namespace, m: int) -> None:
 
 def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, int, list[dict]]:
     """``(data file, max prompt tokens, the selected records)``."""
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.records import read_records
 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
     if limit is None:
         limit = (cfg.get("data") or {}).get("max_prompt_tokens", 0)
     limit = int(limit or 0)
-    return data_file, limit, select_prompts(read_jsonl(data_file), tokenizer, args.max_prompts, limit, args.prompt_seed)
+    records = read_records(data_file)
+    return data_file, limit, select_prompts(records, tokenizer, args.max_prompts, limit, args.prompt_seed)
 
 
 def build_report(args: argparse.Namespace, cfg: dict[str, Any], run: dict[str, Any], sampler: Sampler,
@@ -464,9 +469,9 @@ def chain_tensors(chains: list[dict], dim: int) -> tuple[Tensor, Tensor]:
 def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer: Any) -> list[PromptPool]:
     """The first ``chains`` chains of each prompt of an earlier evaluation (its ``samples.jsonl``, sampling order);
     a chain's tokens are its text re-tokenised plus EOS (the file keeps no ids)."""
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.records import read_records
 
-    records = {r.get("id"): r for r in read_jsonl(report["data_file"])}
+    records = {r.get("id"): r for r in read_records(report["data_file"])}
     rows = read_samples(src)
     dim = len(report["dim_names"])
     pools = []
@@ -546,4 +551,4 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo eval``."""
-    return run_command("vpo eval", build_parser().parse_args(argv), run, "eval.json", summary)
+    return run_command("vpo eval", parse_args(build_parser(), argv), run, "eval.json", summary)

@@ -453,7 +453,8 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in model.parameters())
 
 
-def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template, ending with the assistant generation prompt."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ending with the assistant generation prompt;
+    ``tools`` (JSON schemas, a record's ``tools``: :func:`vpo_lightning.records.template_tools`) go to the template."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

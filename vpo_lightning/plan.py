@@ -44,6 +44,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from vpo_lightning.tools import parse_args
+
 GiB = 2**30
 
 # A few common hub models, for planning without the weights (layers, hidden, intermediate, heads, kv heads, head dim,
@@ -156,10 +158,13 @@ class Plan:
 
 
 def parse_size(text: str) -> int:
-    """'24GB', '24G', '24GiB', '1500MB', '8e9' -> bytes (GB and GiB both mean 2**30 here, as cards are sold)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    """'24GB', '24G', '24GiB', '1500MB' -> bytes (GB and GiB both mean 2**30 here, as cards are sold). A unit is
+    required: a bare '24' would be 24 bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
     if not m:
-        raise ValueError(f"--gpu-mem {text!r}: expected a size such as 24GB or 16000MB")
+        raise ValueError(f"--gpu-mem {text!r}: expected a size with a unit, such as 24GB or 16000MB")
+    if not m.group(2):
+        raise ValueError(f"--gpu-mem {text!r}: give a unit, e.g. --gpu-mem {m.group(1)}GB (or {m.group(1)}MB)")
     scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
 
@@ -446,20 +451,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. model.optim.micro_batch_size=4 (repeatable)")
     p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of the memory (default 0.9)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(p, argv)
     try:
+        gpu_mem = float(parse_size(args.gpu_mem)) if args.gpu_mem else None
         cfg = load_config(args.config, args.set)
         plan = plan_from_config(cfg, for_gpu=bool(args.gpu_mem))
         arch, source = model_arch(plan.model)
+        capacity, device = (gpu_mem, "cuda") if gpu_mem is not None else _default_capacity()
+        if device == "cpu" and (plan.accelerator in ("gpu", "cuda") or plan.load_in_4bit):
+            need = "trainer.accelerator=" + plan.accelerator if not plan.load_in_4bit else "4-bit loading (QLoRA)"
+            raise ValueError(f"this machine has no GPU, and the config needs one ({need}): give the card's memory "
+                             "with a unit, e.g. --gpu-mem 24GB, to plan for it")
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"vpo plan: error: {err}", file=sys.stderr)
         return 2
-    if args.gpu_mem:
-        capacity, device = float(parse_size(args.gpu_mem)), "cuda"
-    else:
-        capacity, device = _default_capacity()
-        if plan.accelerator in ("gpu", "cuda"):
-            device = "cuda"
+    if device == "cpu" and gpu_mem is None:
+        print("no GPU here: planning against this machine's RAM (a CPU run); for a card, give --gpu-mem SIZE, "
+              "e.g. --gpu-mem 24GB", file=sys.stderr)
     est = finalize(estimate(plan, arch, device), capacity)
     print(render(est, capacity, device, source))
     best, message = suggest(plan, arch, capacity, device, args.headroom)

@@ -98,6 +98,43 @@ def quiet_lightning_logs() -> None:
             logger.addFilter(noise)
 
 
+_ACTION_NEEDED: list[str] = []  # warnings that need the user to act, printed again after the run
+# library messages that need no action: bitsandbytes falls back to its own CPU kernel when the kernel hub is not used
+_LIBRARY_NOISE = {"bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",)}
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_libraries() -> None:
+    """Drop library log lines that need no action (:data:`_LIBRARY_NOISE`); before the library is imported."""
+    for name, prefixes in _LIBRARY_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(prefixes))
+
+
+def action_needed(message: str) -> None:
+    """Log a warning the user has to act on now, and keep it for :func:`print_action_needed` after the run."""
+    logging.getLogger("vpo_lightning").warning(message)
+    if message not in _ACTION_NEEDED:
+        _ACTION_NEEDED.append(message)
+
+
+def print_action_needed() -> None:
+    """Print the warnings of :func:`action_needed` again, last, so that they do not scroll away; then forget them."""
+    if _ACTION_NEEDED:
+        lines = "\n".join(f"  - {m}" for m in _ACTION_NEEDED)
+        print(f"\nwarnings that need action (also printed above):\n{lines}", file=sys.stderr, flush=True)
+        _ACTION_NEEDED.clear()
+
+
 def earlier_run_warning(run_dir: str | Path, resuming: bool) -> str | None:
     """A one-line warning when ``run_dir`` holds checkpoints of an earlier run that a fresh run would overwrite."""
     if resuming:

@@ -37,6 +37,7 @@ from vpo_lightning.protocol import (
     derive_seed,
     engine_logprob_tensor,
 )
+from vpo_lightning.records import template_tools
 from vpo_lightning.rewards import RewardScores
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
@@ -221,8 +222,8 @@ class RolloutCallback(L.Callback):
         """Generate G chains for each of ``records`` and score them (one generation round of a step)."""
         B, G, tok = len(records), self.group_size, pl_module.tokenizer
         weights = self.protocol.step_weights(indices, step, records)  # [B, K, D] or None
-        prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]))
-                   for b, r in enumerate(records)]
+        prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]),
+                                    template_tools(r)) for b, r in enumerate(records)]
         torch.manual_seed(derive_seed(self.seed, "sample", step, rank, *([round_] if round_ else [])))
         pause_point("generate", step)  # a no-op outside the kill-and-resume tests
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from vpo_lightning.runs import add_run_args
-from vpo_lightning.tools import run_command
+from vpo_lightning.tools import parse_args, run_command
 
 log = logging.getLogger(__name__)
 
@@ -200,18 +200,19 @@ def aggregate(problems: list[dict[str, Any]], budget: int) -> dict[str, Any]:
 def load_records(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, list[dict]]:
     """``(data file, records)``: the split's problems under the prompt-length limit; a seeded sample with
     ``--max_prompts``, else all of them in file order."""
-    from vpo_lightning.datamodule import read_jsonl
     from vpo_lightning.evaluate import default_data_file, select_prompts
     from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.records import read_records, template_tools
 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
     if limit is None:
         limit = int((cfg.get("data") or {}).get("max_prompt_tokens", 0) or 0)
-    records = read_jsonl(data_file)
+    records = read_records(data_file)
     if args.max_prompts:
         return data_file, select_prompts(records, tokenizer, args.max_prompts, limit, args.prompt_seed)
-    kept = [r for r in records if not limit or len(prompt_token_ids(tokenizer, r["messages"])) <= limit]
+    kept = [r for r in records
+            if not limit or len(prompt_token_ids(tokenizer, r["messages"], template_tools(r))) <= limit]
     if not kept:
         raise ValueError(f"no prompt of {data_file} has at most {limit} tokens: raise --max_prompt_tokens")
     return data_file, kept
@@ -273,4 +274,4 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo search``."""
-    return run_command("vpo search", build_parser().parse_args(argv), run, "search.json", summary)
+    return run_command("vpo search", parse_args(build_parser(), argv), run, "search.json", summary)

@@ -5,6 +5,7 @@ Each lives in its own module with a ``main(argv: list[str]) -> int`` and is impo
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -20,6 +21,31 @@ COMMANDS = {
     "serve": "vpo_lightning.serve",
     "search": "vpo_lightning.search",
 }
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` with the one flag style of every ``vpo`` command: ``--max_prompts`` and
+    ``--max-prompts`` are the same option, and where the command takes ``--set KEY=VALUE``, a dotted
+    ``--section.key VALUE`` (as in ``vpo fit``) is the same override."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for action in list(parser._actions):
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                for alias in (opt.replace("-", "_").replace("__", "--", 1), "--" + opt[2:].replace("_", "-")):
+                    parser._option_string_actions.setdefault(alias, action)
+    if "--set" in parser._option_string_actions:
+        out, i = [], 0
+        while i < len(argv):
+            key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+            if "." in key and f"--{key}" not in parser._option_string_actions:
+                if not eq and i + 1 < len(argv):
+                    value, i = argv[i + 1], i + 1
+                out += ["--set", f"{key}={value}"]
+            else:
+                out.append(argv[i])
+            i += 1
+        argv = out
+    return parser.parse_args(argv)
 
 
 def report_error(command: str, err: BaseException) -> int:

@@ -5,7 +5,14 @@ A *vector* reward is registered with ``dims=(...)`` and returns one float per de
 data record the prompt came from (its ``ground_truth``, ``tools``, ``meta`` ...). Every value must lie in [0, 1].
 
 In YAML, ``rollout.rewards: [format, tool_name, arg_key, arg_value]`` gives a D = 4 reward vector whose dimension
-names are logged. A name that is not registered is imported as a dotted path (``my_pkg.rewards.exact``), TRL style.
+names are logged. A name that is not registered is imported as a dotted path (``my_pkg.rewards.exact``), TRL style,
+from the installed packages or the working directory.
+
+A TRL reward function, ``fn(prompts, completions, **kwargs) -> list[float | None]``, is recognised by its signature
+(``inspect.signature``, when the config is read) and called once per batch with every candidate of the batch, the
+prompts they answer and the record's other fields as keyword lists, as TRL does; each is one dimension, so TRL's
+``reward_funcs=[f1, f2, f3]`` is a D = 3 reward vector. ``None`` counts 0 (TRL sums with ``nansum``). A callable
+that fits neither signature is refused at start-up with both signatures in the message.
 A vector reward declares its dimensions wherever it comes from: registered with ``dims=``, or, imported by dotted
 path, either registered (under any name) by its module or carrying a ``dims`` attribute (``fn.dims = ("a", "b")``);
 a reward that returns a different number of values than it declares stops the run at once with an error saying so.
@@ -26,9 +33,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import logging
 import math
+import os
 import pkgutil
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +47,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from vpo_lightning.records import DERIVED
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +68,89 @@ class RewardEntry:
     real_dims: Callable[[Mapping[str, Any]], int] | None = None  # real dims per record (None: all of them)
     descriptions: tuple[str, ...] | None = None  # one phrase per dim, shown by goal-conditioned GRPO (None: names)
     answer_key: Callable[[str], Any] | None = None  # when two answers of one chain are the same (count once)
+    batch: bool = False  # TRL signature fn(prompts, completions, **kwargs): one call per batch
 
 
 REWARDS: dict[str, RewardEntry] = {}
+SIGNATURES = ("fn(candidate: str, sample: Mapping) -> float (or one float per declared dim)",
+              "TRL's fn(prompts: list, completions: list, **kwargs) -> list[float | None]")
+_TRL_EXCLUDED = ("prompt", "completion", "completion_ids")  # columns TRL does not pass as keyword arguments
+
+
+def is_trl_reward(fn: Callable[..., Any], name: str) -> bool:
+    """True for TRL's batch signature (a ``completions`` parameter), False for ours (callable as ``fn(candidate,
+    sample)``); a ValueError naming both accepted signatures for anything else."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature: try them as ours
+        return False
+    if "completions" in params:
+        kinds = {p.kind for p in params.values()}
+        if "prompts" in params or inspect.Parameter.VAR_KEYWORD in kinds:
+            return True
+        raise ValueError(f"reward {name!r}: a TRL reward function takes prompts and completions as keyword arguments "
+                         f"(def {getattr(fn, '__name__', 'f')}(prompts, completions, **kwargs)); add **kwargs or a "
+                         "prompts parameter")
+    try:
+        inspect.signature(fn).bind("candidate", {})
+    except TypeError:
+        sig = f"{getattr(fn, '__name__', name)}{inspect.signature(fn)}"
+        raise ValueError(f"reward {name!r} has the signature {sig}, which fits neither accepted signature: "
+                         f"{SIGNATURES[0]}, or {SIGNATURES[1]}") from None
+    return False
+
+
+def entry_for(name: str, fn: Callable[..., Any]) -> RewardEntry:
+    """A :class:`RewardEntry` for a plain callable: TRL batch functions give one dimension named ``name``; ours may
+    declare several with a ``dims`` attribute (``fn.dims = ("a", "b")``)."""
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is not callable")
+    if is_trl_reward(fn, name):
+        return RewardEntry(name, fn, (name.rsplit(".", 1)[-1],), batch=True)
+    for entry in REWARDS.values():  # registered by its module under another name: keep its declared dims
+        if entry.fn is fn:
+            return RewardEntry(name, fn, entry.dims, entry.parallel, real_dims=entry.real_dims,
+                               descriptions=entry.descriptions, answer_key=entry.answer_key)
+    dims = getattr(fn, "dims", None)
+    if dims is not None:
+        if isinstance(dims, str) or not dims or not all(isinstance(d, str) for d in dims):
+            raise ValueError(f"reward {name!r}: its dims attribute must be a non-empty sequence of dimension "
+                             f"names, got {dims!r}")
+        return RewardEntry(name, fn, tuple(dims), bool(getattr(fn, "parallel", False)))
+    return RewardEntry(name, fn, (name.rsplit(".", 1)[-1],), False)
+
+
+def register_callable(fn: Callable[..., Any]) -> str:
+    """Register a reward callable given from Python (the notebook entry point); returns the name the config uses:
+    its dotted path when its module can be imported again (so the saved config.yaml runs from the command line),
+    else its ``__name__``. A different function already registered under that name is refused."""
+    name = getattr(fn, "__name__", None)
+    if not name or name == "<lambda>":
+        raise ValueError(f"reward {fn!r}: give a named function (def ...), not a lambda: its name names the "
+                         "reward dimension in the logs")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", name)
+    if module and module != "__main__" and "<locals>" not in qualname:
+        name = f"{module}.{qualname}"
+    _load_builtins()
+    if name in REWARDS and REWARDS[name].fn is not fn:
+        raise ValueError(f"reward {name!r}: a different reward is registered under this name "
+                         f"({REWARDS[name].fn.__module__}); rename your function")
+    REWARDS[name] = entry_for(name, fn)
+    return name
+
+
+def _import_dotted(name: str) -> Any:
+    """Import ``pkg.module.attr``; the working directory is searched too (after the installed packages), so a
+    ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
+    module_name, attr = name.rsplit(".", 1)
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward {name!r}: cannot import it as a dotted path ({err}); the module must be "
+                         f"importable from the installed packages or the working directory ({cwd})") from err
 
 
 def register(
@@ -118,26 +210,10 @@ def get_reward(name: str) -> RewardEntry:
     if name in REWARDS:
         return REWARDS[name]
     if "." in name:
-        module_name, attr = name.rsplit(".", 1)
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"reward {name!r}: cannot import it as a dotted path ({err})") from err
+        fn = _import_dotted(name)
         if name in REWARDS:  # the import registered it under its dotted name
             return REWARDS[name]
-        if not callable(fn):
-            raise ValueError(f"reward {name!r} is not callable")
-        for entry in REWARDS.values():  # registered by its module under another name: keep its declared dims
-            if entry.fn is fn:
-                return RewardEntry(name, fn, entry.dims, entry.parallel, real_dims=entry.real_dims,
-                                   descriptions=entry.descriptions, answer_key=entry.answer_key)
-        dims = getattr(fn, "dims", None)
-        if dims is not None:
-            if isinstance(dims, str) or not dims or not all(isinstance(d, str) for d in dims):
-                raise ValueError(f"reward {name!r}: its dims attribute must be a non-empty sequence of dimension "
-                                 f"names, got {dims!r}")
-            return RewardEntry(name, fn, tuple(dims), bool(getattr(fn, "parallel", False)))
-        return RewardEntry(name, fn, (attr,), False)
+        return entry_for(name, fn)
     close = difflib.get_close_matches(name, REWARDS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(
@@ -182,7 +258,7 @@ class RewardVector:
             raise ValueError("rewards: give at least one reward name, e.g. [format, tool_name, arg_key, arg_value]")
         if fail_after is not None and fail_after < 1:
             raise ValueError(f"fail_after must be >= 1 or None, got {fail_after}")
-        self.entries = [get_reward(n) for n in names]
+        self.entries = [get_reward(n) for n in names]  # signatures are checked here, at start-up
         self.dim_names = [d for e in self.entries for d in e.dims]
         self.max_workers = max_workers
         self.fail_after = fail_after
@@ -242,13 +318,7 @@ class RewardVector:
                 raise ValueError(f"returned {bad[0]!r}, outside [0, 1]")
         except Exception as err:  # noqa: BLE001 - model output must not stop training
             message = f"reward {entry.name!r} failed on candidate {candidate[:200]!r}: {type(err).__name__}: {err}"
-            with self._lock:
-                errors.append(message)
-                self.failures[entry.name] += 1
-                self._last_error[entry.name] = message
-                report, self._reported = self._reported < self.MAX_REPORTS, self._reported + 1
-            if report:
-                log.warning(message)
+            self._record_failure(entry.name, message, errors)
             return None
         if len(values) != width:
             real = f" ({width} real for record {sample.get('id')!r})" if width != len(entry.dims) else ""
@@ -260,6 +330,58 @@ class RewardVector:
         with self._lock:
             self.successes[entry.name] += 1
         return values + [0.0] * (len(entry.dims) - width)
+
+    def _call_batch(self, entry: RewardEntry, jobs: list[tuple[int, int, str]],
+                    samples: Sequence[Mapping[str, Any]], errors: list[str]) -> list[list[float]]:
+        """One call of a TRL reward function over every candidate of the batch (see the module docstring)."""
+        rows = [samples[i] for i, _, _ in jobs]
+        prompts = [r.get("prompt", r.get("messages")) for r in rows]
+        completions = [c if isinstance(p, str) else [{"role": "assistant", "content": c}]
+                       for p, (_, _, c) in zip(prompts, jobs)]
+        derived = rows[0].get(DERIVED, ())  # fields vpo added (messages of a TRL prompt, id): not columns
+        kwargs: dict[str, Any] = {k: [r.get(k) for r in rows] for k in rows[0]
+                                  if k not in _TRL_EXCLUDED and k != DERIVED and k not in derived}
+        kwargs["prompts"] = prompts
+        params = inspect.signature(entry.fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}  # a function without **kwargs: its names only
+        try:
+            out = entry.fn(completions=completions, **kwargs)
+            if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != len(jobs):
+                got = f"{len(out)} values" if isinstance(out, Sequence) else type(out).__name__
+                raise RewardDeclarationError(f"reward {entry.name!r} returned {got} for {len(jobs)} completions: a "
+                                             "TRL reward function returns one float (or None) per completion")
+        except RewardDeclarationError:
+            raise
+        except Exception as err:  # noqa: BLE001 - as for per-candidate rewards: scored 0, counted, reported
+            message = f"reward {entry.name!r} failed on a batch of {len(jobs)} completions: {type(err).__name__}: {err}"
+            self._record_failure(entry.name, message, errors, count=len(jobs))
+            return [None] * len(jobs)  # every candidate of the batch scores 0 on every dimension
+        results = []
+        for (_, _, cand), value in zip(jobs, out):
+            if value is None:  # TRL: NaN, then nansum over functions -> no contribution
+                results.append([0.0])
+                continue
+            v = float(value)
+            if math.isnan(v) or not 0.0 <= v <= 1.0:
+                self._record_failure(entry.name, f"reward {entry.name!r} returned {value!r} on candidate "
+                                     f"{cand[:200]!r}, outside [0, 1]: VPO needs every dimension in [0, 1] (TRL "
+                                     "takes any float); rescale it, e.g. (r + 1) / 2 for a reward in [-1, 1]", errors)
+                results.append(None)  # an invalid value fails the candidate, as for our own rewards
+                continue
+            results.append([v])
+        with self._lock:
+            self.successes[entry.name] += sum(1 for v in out if v is not None)
+        return results
+
+    def _record_failure(self, name: str, message: str, errors: list[str], count: int = 1) -> None:
+        with self._lock:
+            errors.append(message)
+            self.failures[name] += count
+            self._last_error[name] = message
+            report, self._reported = self._reported < self.MAX_REPORTS, self._reported + 1
+        if report:
+            log.warning(message)
 
     def _check_broken(self) -> None:
         if self.fail_after is None:
@@ -289,7 +411,9 @@ class RewardVector:
         col = 0
         for entry in self.entries:
             width = len(entry.dims)
-            if entry.parallel and len(jobs) > 1:
+            if entry.batch:
+                results = self._call_batch(entry, jobs, samples, errors) if jobs else []
+            elif entry.parallel and len(jobs) > 1:
                 with ThreadPoolExecutor(self.max_workers or torch.get_num_threads()) as pool:
                     results = list(pool.map(lambda job: self._call(entry, job[2], samples[job[0]], errors), jobs))
             else:

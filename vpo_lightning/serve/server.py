@@ -65,7 +65,7 @@ import torch
 
 from vpo_lightning.serve.batching import BatchGenerator, Choice, Job
 from vpo_lightning.serve.protocol import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
-from vpo_lightning.tools import report_error
+from vpo_lightning.tools import parse_args, report_error
 
 log = logging.getLogger(__name__)
 
@@ -533,7 +533,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``vpo serve``: load, bind, serve until Ctrl-C or SIGTERM."""
     from vpo_lightning.runs import pick_device
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads > 0:
         torch.set_num_threads(args.threads)

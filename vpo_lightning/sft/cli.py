@@ -26,6 +26,8 @@ from vpo_lightning.tools import report_error
 class SFTCLI(VPOCLI):
     """VPOCLI without the rollout section: ``run_name``, ``checkpoint:`` and the same trainer defaults."""
 
+    PROGS = {"fit": "vpo sft", "validate": "vpo sft validate"}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_name", type=str, default="sft", help="outputs go to checkpoints/<run_name>/")
         parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
@@ -39,8 +41,9 @@ def make_cli(args: list[str], run: bool = True) -> SFTCLI:
     if run and (not argv or argv[0] != "fit"):
         argv = ["fit", *argv]
     return SFTCLI(SFTModule, SFTDataModule, args=argv, run=run,
-                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False},
-                  save_config_kwargs={"overwrite": True}, subclass_mode_model=False, subclass_mode_data=False)
+                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
+                  save_config_kwargs={"overwrite": True}, subclass_mode_model=False, subclass_mode_data=False,
+                  auto_configure_optimizers=False)
 
 
 def main(args: list[str]) -> Any:

@@ -34,7 +34,8 @@ RESULTS_REPO=${RESULTS_REPO:-.}
 RESULTS_DIR=${RESULTS_DIR:-docs/results/maze}
 
 if [[ "${1:-}" == report ]]; then
-  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" --out "$RESULTS_REPO/docs/results_maze.md"
+  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" \
+    --coldstart "$RESULTS_REPO/${COLDSTART_DIR:-docs/results/maze-coldstart}" --out "$RESULTS_REPO/docs/results_maze.md"
 fi
 
 METHOD=${METHOD:?set METHOD to vpo, grpo, multi_rlvr, sft_single or sft_chains}

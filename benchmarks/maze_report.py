@@ -29,6 +29,7 @@ CURVE_TAGS = ("train/reward/all/mean", "train/reward/exit", "train/reward/gold",
               "train/reward/safety", "train/reward/set", "train/kl", "train/chains/candidate_parse_rate",
               "train/chains/parse_rate", "train/diversity/within_group", "train/diversity/within_chain",
               "train/rollout/tokens", "train/chains/repeated_candidates")
+MARKER = "<!-- written by hand below this line; kept when the report is regenerated -->"
 LABELS = {"vpo": "VPO", "grpo": "GRPO", "multi_rlvr": "Multi-RLVR", "sft_chains": "SFT, 3-route chains",
           "sft_single": "SFT, single answers"}
 
@@ -88,7 +89,21 @@ def position_rows(name: str, pos: dict[str, Any]) -> list[str]:
     return rows
 
 
-def report(results: Path, out: Path) -> None:
+def coldstart_rows(folder: Path) -> list[str]:
+    """The cold start's gate (issue 38: >= 50% of single and of chain answers reach the exit, every chain position
+    parses in >= 95% of chains) from ``<folder>/<method>-s<seed>/positions.json``."""
+    runs = sorted(p for p in folder.iterdir() if (p / "positions.json").exists()) if folder.exists() else []
+    if not runs:
+        return []
+    rows = ["## Before RL: the cold start on validation mazes", "",
+            f"From `{folder}/` (`benchmarks/maze_protocol.sh`, `RESULTS_DIR={folder}`, `EXTRA_EVAL=--split val`).",
+            "", "| run | position | chains | parses | reaches the exit | mean reward |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        rows += position_rows(run.name, json.loads((run / "positions.json").read_text()))
+    return rows + [""]
+
+
+def report(results: Path, out: Path, coldstart: Path | None = None) -> None:
     from vpo_lightning.replicates import best_at_k_bands, plot_bands, summary_table
 
     runs = sorted(p for p in results.iterdir() if (p / "eval.json").exists()) if results.exists() else []
@@ -108,6 +123,8 @@ def report(results: Path, out: Path) -> None:
         plot = out.with_name(out.stem + "_best_at_k.png")
         plot_bands(best_at_k_bands(groups), plot, "Maze 5x5 (test split): best@k, 95% intervals over prompts and seeds")
         lines += ["", f"![best@k]({plot.name})", ""]
+    if coldstart is not None:
+        lines += coldstart_rows(coldstart)
     pos = [(run.name, json.loads((run / "positions.json").read_text())) for run in runs
            if (run / "positions.json").exists()]
     if pos:
@@ -130,7 +147,8 @@ def report(results: Path, out: Path) -> None:
             for row in rows:
                 phase, _, start, secs = (row.split("\t") + ["", "", "", ""])[:4]
                 lines.append(f"| {name} | {phase} | {start} | {secs} |")
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    kept = out.read_text(encoding="utf-8").split(MARKER, 1)[1] if out.exists() and MARKER in out.read_text() else "\n"
+    out.write_text("\n".join(lines) + "\n\n" + MARKER + kept, encoding="utf-8")
     print(f"wrote {out}")
 
 
@@ -139,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--positions", type=Path, help="a `vpo eval` output directory: print its per-position rates")
     p.add_argument("--curves", type=Path, help="a `vpo fit` run directory: print its training curves")
     p.add_argument("--results", type=Path, help="the committed results folder (docs/results/maze)")
+    p.add_argument("--coldstart", type=Path, default=None, help="the committed cold-start folder (its gate table)")
     p.add_argument("--out", type=Path, default=Path("docs/results_maze.md"))
     args = p.parse_args(argv)
     if args.positions:
@@ -146,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.curves:
         print(json.dumps(curves(args.curves)))
     elif args.results:
-        report(args.results, args.out)
+        report(args.results, args.out, args.coldstart)
     else:
         p.error("give --positions, --curves or --results")
     return 0

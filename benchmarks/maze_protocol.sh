@@ -112,10 +112,14 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commi
 echo "=== recorded $OUT"
 if [[ "$COMMIT" == 1 ]]; then
   for try in 1 2 3 4 5; do  # another commit in the same checkout may hold the index lock for a moment
-    if git -C "$RESULTS_REPO" add -- "$RESULTS_DIR/$NAME" && \
-       git -C "$RESULTS_REPO" commit -q -m "maze results: $NAME (benchmarks/maze_protocol.sh, commit $(cat "$OUT/commit.txt" | cut -c1-7))" \
-         -- "$RESULTS_DIR/$NAME"; then
-      echo "=== committed $RESULTS_DIR/$NAME"; break
+    if git -C "$RESULTS_REPO" add -- "$RESULTS_DIR/$NAME"; then
+      if git -C "$RESULTS_REPO" diff --cached --quiet -- "$RESULTS_DIR/$NAME"; then
+        echo "=== nothing new to commit in $RESULTS_DIR/$NAME"; break
+      fi
+      if git -C "$RESULTS_REPO" commit -q -m "maze results: $NAME (benchmarks/maze_protocol.sh, commit $(cut -c1-7 "$OUT/commit.txt"))" \
+           -- "$RESULTS_DIR/$NAME"; then
+        echo "=== committed $RESULTS_DIR/$NAME"; break
+      fi
     fi
     sleep 5
   done

@@ -45,6 +45,7 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
         assert "from step 0 of 1" in first and "=== committed docs/results/maze/vpo-s0" in first
         again = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "1"}, ROOT)
         assert "=== train" not in again and "=== eval" not in again  # finished: neither retrained nor re-evaluated
+        assert "=== nothing new to commit" in again
         resumed = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "2"}, ROOT)
         assert "from step 1 of 2" in resumed and "=== eval vpo-s0" in resumed  # resumed, stale evaluation redone
         run = results / "docs" / "results" / "maze" / "vpo-s0"
@@ -55,7 +56,7 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
         pos = json.loads((run / "positions.json").read_text())
         assert pos["m"] == 3 and len(pos["parse_rate"]) == 3 and pos["chains"] == 2  # 2 prompts x 1 chain of 3
         log = subprocess.run(["git", "log", "--format=%s"], cwd=results, capture_output=True, text=True).stdout
-        assert log.count("maze results: vpo-s0") == 3
+        assert log.count("maze results: vpo-s0") == 2  # the first result, then the resumed run's
         report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
         text = (results / "docs" / "results_maze.md").read_text()
         assert "wrote" in report and "| VPO | vpo | 3 | 1 | 2 |" in text and "## Training curves" in text

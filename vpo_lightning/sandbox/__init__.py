@@ -68,6 +68,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import queue
 import selectors
 import shutil
@@ -79,11 +80,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from . import _codec
+from . import _codec, _seccomp
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,6 +92,7 @@ _CHILD_FILES = ("_child.py", "_codec.py")
 _BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
 _LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
 WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
+STRICT_FLAG = "VPO_SANDBOX_STRICT"  # a layer missing here (seccomp, cgroup limits) is an error, not a WARNING
 
 
 def _boot(lib: str) -> str:
@@ -160,6 +162,8 @@ class _Isolation:
     setpriv: str | None = None
     binds: tuple[str, ...] = ()  # bubblewrap arguments that lay out the interpreter read-only
     reason: str = ""
+    seccomp: bytes | None = None  # the filter bubblewrap loads (None: not available here)
+    missing: tuple[str, ...] = ()  # layers this machine lacks, each with why (logged as a WARNING)
 
 
 class _UidPool:
@@ -218,6 +222,12 @@ def _python_binds(python: str) -> tuple[str, ...] | None:
             path = parts[2] if len(parts) >= 3 and parts[1] == "=>" else parts[0] if parts else ""
             if path.startswith("/") and os.path.exists(path):
                 libs[path] = os.path.realpath(path)
+    # glibc dlopens libgcc_s when a thread exits or is cancelled (pthread_exit unwinds through it); no ldd lists it,
+    # and without it a program that leaves a running daemon thread at exit dies with SIGSEGV.
+    for folder in {os.path.dirname(p) for p in libs if os.path.basename(p).startswith("libc.so")}:
+        gcc = os.path.join(folder, "libgcc_s.so.1")
+        if os.path.exists(gcc):
+            libs[gcc] = os.path.realpath(gcc)
     binds = ["--ro-bind", exe, exe]
     for d in dirs:
         binds += ["--ro-bind", d, d]
@@ -235,34 +245,60 @@ def _candidate_pythons() -> list[str]:
     return list(dict.fromkeys(os.path.realpath(p) for p in found if p and os.path.exists(p)))
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def _weak_allowed() -> bool:
-    return os.environ.get(WEAK_FLAG, "").strip().lower() in ("1", "true", "yes")
+    return _flag(WEAK_FLAG)
 
 
 def _detect() -> _Isolation:
     forced = os.environ.get("VPO_SANDBOX_ISOLATION", "auto").strip().lower() or "auto"
     bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+    as_root = os.geteuid() == 0
     kinds = ["root", "userns"] if forced == "auto" else [forced]
     why = []
     for kind in kinds:
         if kind not in ("root", "userns"):
             continue
-        if bwrap is None or (kind == "root" and (os.geteuid() != 0 or setpriv is None)):
-            why.append(f"{kind}: needs {'root, setpriv and ' if kind == 'root' else ''}bubblewrap (bwrap)")
+        if kind == "userns" and as_root:  # the candidate would be uid 0 with every capability in its namespace
+            why.append("userns: refused for a root trainer (the candidate would run as uid 0 with capabilities in "
+                       "its namespace); root mode drops to a private uid and needs util-linux setpriv "
+                       f"({'found' if setpriv else 'not found: apt-get install -y util-linux'})")
+            continue
+        if bwrap is None or (kind == "root" and (not as_root or setpriv is None)):
+            why.append(f"{kind}: needs {'root, setpriv (util-linux) and ' if kind == 'root' else ''}bubblewrap (bwrap)")
             continue
         for python in _candidate_pythons():
             binds = _python_binds(python)
             if binds is None:
                 continue
-            iso = _Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds)
+            iso = _with_layers(_Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds))
             error = _probe(iso)
-            if not error:
-                return iso
-            why.append(f"{kind} with {python}: {error}")
+            if error and iso.seccomp is not None and not _probe(replace(iso, seccomp=None)):
+                iso = replace(iso, seccomp=None, missing=(*iso.missing, f"seccomp: bubblewrap refused the filter "
+                                                                       f"({error.strip()[-200:]})"))
+                error = ""
+            if error:
+                why.append(f"{kind} with {python}: {error}")
+                continue
+            if iso.missing and _flag(STRICT_FLAG):
+                return _Isolation("unavailable", "", reason=f"{STRICT_FLAG}=1 and this machine lacks: "
+                                  + "; ".join(iso.missing))
+            return iso
     reason = "; ".join(why) or f"VPO_SANDBOX_ISOLATION={forced}"
     if _weak_allowed() and forced in ("auto", "weak"):
         return _Isolation("weak", os.path.realpath(sys.executable), reason=reason)
     return _Isolation("unavailable", "", reason=reason)
+
+
+def _with_layers(iso: _Isolation) -> _Isolation:
+    """``iso`` with the seccomp filter, and the layers this machine lacks listed in ``missing``."""
+    program = _seccomp.program()
+    missing = [] if program else [f"seccomp: no filter for this machine ({platform.machine()}), so candidates can "
+                                  "make any system call their namespaces allow"]
+    return replace(iso, seccomp=program, missing=tuple(missing))
 
 
 def _probe(iso: _Isolation) -> str:
@@ -286,9 +322,12 @@ def _isolation() -> _Isolation:
         if _ISO is None:
             _ISO = _detect()
             if _ISO.kind in ("root", "userns"):
-                log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, python %s)",
-                         _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
-                         _ISO.python)
+                log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, seccomp %s, "
+                         "python %s)", _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
+                         "on" if _ISO.seccomp else "OFF", _ISO.python)
+                for gap in _ISO.missing:
+                    log.warning("sandbox isolation is weaker than it should be: %s (set %s=1 to refuse to run "
+                                "instead)", gap, STRICT_FLAG)
             elif _ISO.kind == "weak":
                 log.warning("sandbox isolation: WEAK (%s=1): model-written code runs with no kernel isolation, only "
                             "rlimits and an audit hook; it can read the filesystem. Why no isolation: %s",
@@ -304,7 +343,7 @@ def isolation_info() -> dict[str, Any]:
     strong = iso.kind in ("root", "userns")
     return {"kind": iso.kind, "python": iso.python, "kernel_isolation": strong, "network_namespace": strong,
             "pid_namespace": strong, "mount_namespace": strong, "private_uid": iso.kind == "root",
-            "reason": iso.reason}
+            "seccomp": iso.seccomp is not None, "missing": list(iso.missing), "reason": iso.reason}
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -363,6 +402,8 @@ class _Child:
             else:
                 files = [_memfd("main", program.encode()), *(_memfd(n, src) for n, src in
                                                              zip(_CHILD_FILES, _child_sources()))]
+                if self.iso.seccomp is not None:
+                    files.append(_memfd("seccomp", self.iso.seccomp))
                 fds += files
                 cmd, cwd = self._bwrap_cmd(limits, files), "/"
                 env.update(HOME=_BOX, TMPDIR=_BOX)
@@ -382,16 +423,17 @@ class _Child:
         iso = self.iso
         prefix = [] if self.uid is None else [iso.setpriv, "--reuid", str(self.uid), "--regid", str(self.uid),
                                               "--clear-groups", "--"]
-        main_fd, child_fd, codec_fd = files
+        main_fd, child_fd, codec_fd = files[:3]
+        seccomp = ["--seccomp", str(files[3])] if len(files) > 3 else []
         return [
             *prefix, iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--as-pid-1", "--new-session",
+            "--as-pid-1", "--new-session", *seccomp,
             "--proc", "/proc", "--dev", "/dev", *iso.binds,
             "--size", str(limits.max_disk_mb << 20), "--perms", "0700", "--tmpfs", _BOX,
             "--symlink", _BOX, "/tmp", "--symlink", _BOX, "/var/tmp",
             "--file", str(main_fd), f"{_BOX}/main.py",
             "--file", str(child_fd), f"{_LIB}/_child.py", "--file", str(codec_fd), f"{_LIB}/_codec.py",
-            "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", _BOX,
+            "--remount-ro", "/", "--remount-ro", "/dev", "--remount-ro", "/proc", "--chdir", _BOX,
             iso.python, "-I", "-S", "-B", "-c", _boot(_LIB),
         ]
 

@@ -550,3 +550,26 @@ def test_a_missing_layer_is_a_warning_or_with_strict_an_error(monkeypatch, caplo
     monkeypatch.setattr(sandbox, "_ISO", None)
     with pytest.raises(sandbox.SandboxUnavailable, match="seccomp"):
         sandbox.run_python("print(1)")
+
+
+def test_uid_pool_as_small_as_the_scoring_threads(mode: str, monkeypatch) -> None:
+    """As many scoring threads as private uids (issue 41, item 6: each candidate took its two uids one at a time,
+    so with ``reward_workers`` = pool size every thread held one and waited forever): scoring finishes, all pass."""
+    from vpo_lightning.tasks.code import score_candidates
+
+    workers = 4
+    pool = sandbox._UidPool(workers)
+    monkeypatch.setattr(sandbox, "_UIDS", pool)
+    record = {"ground_truth": TOY}
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(score_candidates(
+        ["def add(a, b):\n    return a + b"] * 8, [record] * 8, max_workers=workers, total_timeout_s=30.0)),
+        daemon=True)
+    thread.start()
+    thread.join(90)
+    if thread.is_alive():  # deadlocked: hand out spare uids so the stuck threads can end, then fail
+        for uid in range(3_000_000_000, 3_000_000_064):
+            if hasattr(pool._free, "put"):  # the old pool: a queue of single uids
+                pool._free.put(uid)
+        thread.join(120)
+    assert done and all(r == [True, True, True] for r in done[0]), done

@@ -65,11 +65,11 @@ its process fails alone and the next test gets a fresh process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
-import queue
 import selectors
 import shutil
 import signal
@@ -78,7 +78,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -167,19 +167,31 @@ class _Isolation:
 
 
 class _UidPool:
-    """Private uids for concurrent runs in root mode: 64 per parent process, derived from its pid."""
+    """Private uids for concurrent runs in root mode: ``size`` per parent process, derived from its pid.
 
-    def __init__(self, size: int = 64) -> None:
+    A caller that needs several uids at once (a candidate and its checker) takes them in one :meth:`acquire`, so
+    threads never hold some while waiting for more (with as many scoring threads as uids, one uid at a time
+    deadlocked every thread)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
         base = 1_000_000 + (os.getpid() % 1_000_000) * size
-        self._free: queue.Queue[int] = queue.Queue()
-        for uid in range(base, base + size):
-            self._free.put(uid)
+        self._free = list(range(base, base + size))
+        self._cond = threading.Condition()
 
-    def acquire(self) -> int:
-        return self._free.get()
+    def acquire(self, n: int = 1) -> list[int]:
+        """``n`` distinct uids, all at once (waits until ``n`` are free)."""
+        if not 1 <= n <= self.size:
+            raise ValueError(f"cannot take {n} uids from a pool of {self.size}")
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._free) >= n)
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
 
-    def release(self, uid: int) -> None:
-        self._free.put(uid)
+    def release(self, uids: Sequence[int]) -> None:
+        with self._cond:
+            self._free.extend(uids)
+            self._cond.notify_all()
 
 
 _ISO: _Isolation | None = None
@@ -377,14 +389,16 @@ class _Child:
     """One sandboxed interpreter: its process, uid and pipes, and how to kill and clean it."""
 
     def __init__(self, program: str, limits: SandboxLimits, mode: str, merge_stderr: bool = False,
-                 iso: _Isolation | None = None) -> None:
+                 iso: _Isolation | None = None, uid: int | None = None) -> None:
         self.iso = iso or _isolation()
         if self.iso.kind == "unavailable":
             raise SandboxUnavailable(
                 "the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
                 f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
                 f"isolation (the candidate can then read this machine's files). Why: {self.iso.reason}")
-        self.uid = _uid_pool().acquire() if self.iso.kind == "root" else None
+        # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one
+        self.own_uid = uid is None and self.iso.kind == "root"
+        self.uid = _uid_pool().acquire()[0] if self.own_uid else uid if self.iso.kind == "root" else None
         self.dir, self.res_r = "", None
         fds: list[int] = []
         try:
@@ -486,9 +500,9 @@ class _Child:
         if self.dir:
             _remove_dir(self.dir)
             self.dir = ""
-        if self.uid is not None:
-            _uid_pool().release(self.uid)
-            self.uid = None
+        if self.uid is not None and self.own_uid:
+            _uid_pool().release([self.uid])
+        self.uid = None
 
 
 class _Pump:
@@ -718,6 +732,8 @@ class FunctionSession:
         self.max_message_bytes = max_message_bytes
         self.load_error: str | None = None
         self.starts = 0
+        self._uid: int | None = None  # root mode: this session's uid, kept across restarts
+        self._owns_uid = True  # False when :func:`function_sessions` took it (and gives it back)
         self._child: _Child | None = None
         self._pump: _Pump | None = None
         self._ready = False
@@ -734,7 +750,9 @@ class FunctionSession:
         """Start the process now without waiting for it to load (so several sessions start concurrently)."""
         if self._child is None and self.load_error is None:
             self.starts += 1
-            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True)
+            if self._uid is None and _isolation().kind == "root":
+                self._uid = _uid_pool().acquire()[0]
+            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True, uid=self._uid)
             self._pump = _Pump(self._child, self.limits.max_output_bytes)
             self._ready = False
 
@@ -815,12 +833,39 @@ class FunctionSession:
     def close(self) -> None:
         """End the process (EOF on its requests, then a kill if it lingers) and clean up."""
         self._stop(grace_s=0.2)
+        if self._uid is not None and self._owns_uid:
+            _uid_pool().release([self._uid])
+            self._uid = None
 
     def __enter__(self) -> FunctionSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def function_sessions(programs: Sequence[str], **kwargs: Any) -> Iterator[list[FunctionSession]]:
+    """:class:`FunctionSession` s for ``programs`` (a candidate and its checker) whose private uids (root mode) are
+    taken in one step and kept until the block ends, so that any number of scoring threads can share the uid pool
+    without deadlock. ``kwargs`` go to every session.
+
+    Yields:
+        One session per program, in order; all are closed when the block ends.
+    """
+    iso = _isolation()
+    uids: list[int | None] = list(_uid_pool().acquire(len(programs))) if iso.kind == "root" and programs else \
+        [None] * len(programs)
+    sessions = [FunctionSession(program, **kwargs) for program in programs]
+    for session, uid in zip(sessions, uids):
+        session._uid, session._owns_uid = uid, False
+    try:
+        yield sessions
+    finally:
+        for session in sessions:
+            session.close()
+        if iso.kind == "root" and programs:
+            _uid_pool().release([u for u in uids if u is not None])
 
 
 def _decode(data: bytes) -> Any:

@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.sandbox import FunctionSession, SandboxCallError
+from vpo_lightning.sandbox import SandboxCallError, function_sessions
 
 NUM_TEST_DIMS = 16
 TASK = "code"
@@ -285,8 +285,7 @@ def run_tests(
     deadline = [0.0]
     passed: list[bool] = []
     cpu_s = int(total_timeout_s) + 2
-    with FunctionSession(program, cpu_s=cpu_s, memory_mb=memory_mb) as session, \
-            FunctionSession(checker_src, cpu_s=cpu_s, memory_mb=memory_mb) as checker:
+    with function_sessions([program, checker_src], cpu_s=cpu_s, memory_mb=memory_mb) as (session, checker):
 
         def relay(frame: bytes) -> bytes:  # frame: b'["cb",args,kwargs]' from the checker
             if time.monotonic() >= deadline[0]:

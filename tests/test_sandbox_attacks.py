@@ -573,3 +573,49 @@ def test_uid_pool_as_small_as_the_scoring_threads(mode: str, monkeypatch) -> Non
                 pool._free.put(uid)
         thread.join(120)
     assert done and all(r == [True, True, True] for r in done[0]), done
+
+
+def test_a_livecodebench_answer_cannot_stall_the_trainer(mode: str) -> None:
+    """A function-call answer that is a set of frozensets with one hash (issue 41, item 3: decoded in the trainer it
+    held the GIL ~30 s per 1 MB frame): the trainer's other threads keep ticking and an honest candidate scored
+    beside it keeps its full score."""
+    from vpo_lightning.tasks.livecodebench import run_tests as lcb_run_tests
+
+    tests = [{"input": f"{a}\n{b}", "output": str(a + b)} for a, b in ((1, 2), (5, 7), (-3, 3), (10, 0))]
+    truth = {"testtype": "functional", "func_name": "add", "tests": tests, "time_limit_s": 2.0}
+    flood = (
+        "import json, os\n"
+        "def add(a, b):\n"
+        "    P = (1 << 61) - 1\n"  # frozenset({k, k + P}): both elements hash to k, so every pair hashes alike
+        "    body = json.dumps(['ok', {'s': [{'f': [k, k + P]} for k in range(1, 20000)]}],\n"
+        "                      separators=(',', ':')).encode()\n"
+        "    for fd in range(3, 64):\n"
+        "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+        "        except OSError:\n            pass\n"
+        "    return a + b\n"
+    )
+    honest = "```python\ndef add(a, b):\n    return a + b\n```"
+    ticks: list[float] = []
+    results: dict[str, list[bool]] = {}
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+
+    def score(name: str, answer: str) -> None:
+        results[name] = lcb_run_tests(answer, truth, total_timeout_s=20.0)
+
+    threads = [threading.Thread(target=ticker),
+               threading.Thread(target=score, args=("attack", f"```python\n{flood}```")),
+               threading.Thread(target=score, args=("honest", honest))]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert max(gaps) < 1.0, max(gaps)
+    assert results["honest"] == [True] * 4 and not any(results["attack"]), results

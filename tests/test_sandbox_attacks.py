@@ -619,3 +619,51 @@ def test_a_livecodebench_answer_cannot_stall_the_trainer(mode: str) -> None:
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
     assert max(gaps) < 1.0, max(gaps)
     assert results["honest"] == [True] * 4 and not any(results["attack"]), results
+
+
+def _needs_cgroups() -> None:
+    if sandbox.isolation_info()["cgroup"] is None:
+        pytest.skip(f"no per-run cgroups here: {sandbox.isolation_info()['missing']}")
+
+
+def test_memory_is_limited_per_sandbox_not_per_process(mode: str) -> None:
+    """Eight processes each touch 48 MiB under ``memory_mb=128`` (``RLIMIT_AS`` is per process, so they held
+    8 x 48 MiB): at most what the run's budget (memory + its tmpfs) holds is alive at once."""
+    _needs_cgroups()
+    code = (  # every child still alive at `moment` holds its block then
+        "import os, time\nmoment = time.time() + 3\n"
+        "for i in range(8):\n"
+        "    if os.fork() == 0:\n"
+        "        try:\n            block = b'x' * (48 << 20)\n"
+        "            time.sleep(max(0, moment - time.time()))\n            print('held', flush=True)\n"
+        "        finally:\n            os._exit(0)\n"
+        "for i in range(8):\n    os.wait()\n"
+    )
+    result = sandbox.run_python(code, guard=False, memory_mb=128, max_disk_mb=32, timeout_s=10)
+    assert result.stdout.count("held") * 48 <= 128 + 32, result
+
+
+def test_an_honest_neighbour_keeps_its_time_beside_spinners(mode: str) -> None:
+    """Four runs start 15 CPU spinners each in their own sessions (issue 41: an honest neighbour fell from 8/8 to
+    1/8 tests). Each run's cgroup gets one core's worth and an equal share, so an honest run beside them keeps its
+    pace (measured on the loaded 2-core machine: 0.2-0.4 s each, 0.8-1.6 s without per-run cgroups)."""
+    _needs_cgroups()
+    spinners = ("import os, time\nfor _ in range(15):\n"
+                "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\ntime.sleep(6)\n")
+    attackers = [threading.Thread(target=sandbox.run_python, args=(spinners,), kwargs={"guard": False,
+                                                                                       "timeout_s": 8})
+                 for _ in range(4)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(1.5)  # the spinners are running
+        latencies, results = [], []
+        for _ in range(4):
+            start = time.monotonic()
+            results.append(sandbox.run_python("print(sum(range(10**6)))", timeout_s=5))
+            latencies.append(time.monotonic() - start)
+    finally:
+        for t in attackers:
+            t.join()
+    assert all(r.ok and r.stdout == "499999500000\n" for r in results), results
+    assert sorted(latencies)[len(latencies) // 2] < 0.8, latencies

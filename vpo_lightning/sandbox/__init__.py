@@ -84,7 +84,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from . import _codec, _seccomp
+from . import _cgroup, _codec, _seccomp
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,6 +92,7 @@ _CHILD_FILES = ("_child.py", "_codec.py")
 _BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
 _LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
 WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
+_LAUNCHER_TASKS = 2  # tasks of a run that are not the candidate's: bubblewrap's outer process and a spare
 STRICT_FLAG = "VPO_SANDBOX_STRICT"  # a layer missing here (seccomp, cgroup limits) is an error, not a WARNING
 
 
@@ -163,6 +164,7 @@ class _Isolation:
     binds: tuple[str, ...] = ()  # bubblewrap arguments that lay out the interpreter read-only
     reason: str = ""
     seccomp: bytes | None = None  # the filter bubblewrap loads (None: not available here)
+    cgroups: _cgroup.Cgroups | None = None  # where per-run cgroups are made (None: per-process rlimits only)
     missing: tuple[str, ...] = ()  # layers this machine lacks, each with why (logged as a WARNING)
 
 
@@ -288,10 +290,11 @@ def _detect() -> _Isolation:
                 continue
             iso = _with_layers(_Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds))
             error = _probe(iso)
-            if error and iso.seccomp is not None and not _probe(replace(iso, seccomp=None)):
-                iso = replace(iso, seccomp=None, missing=(*iso.missing, f"seccomp: bubblewrap refused the filter "
-                                                                       f"({error.strip()[-200:]})"))
-                error = ""
+            for layer in ("cgroups", "seccomp"):  # a layer the kernel refuses is dropped, with a WARNING
+                if error and getattr(iso, layer) is not None and not _probe(replace(iso, **{layer: None})):
+                    iso = replace(iso, **{layer: None}, missing=(*iso.missing, f"{layer}: refused here "
+                                                                 f"({error.strip()[-200:]})"))
+                    error = ""
             if error:
                 why.append(f"{kind} with {python}: {error}")
                 continue
@@ -305,12 +308,21 @@ def _detect() -> _Isolation:
     return _Isolation("unavailable", "", reason=reason)
 
 
+@lru_cache(maxsize=1)
+def _cgroups() -> tuple[_cgroup.Cgroups | None, str]:
+    return _cgroup.detect()
+
+
 def _with_layers(iso: _Isolation) -> _Isolation:
-    """``iso`` with the seccomp filter, and the layers this machine lacks listed in ``missing``."""
+    """``iso`` with the seccomp filter and per-run cgroups, and the layers this machine lacks listed in ``missing``."""
     program = _seccomp.program()
     missing = [] if program else [f"seccomp: no filter for this machine ({platform.machine()}), so candidates can "
                                   "make any system call their namespaces allow"]
-    return replace(iso, seccomp=program, missing=tuple(missing))
+    cgroups, why = _cgroups()
+    if cgroups is None:
+        missing.append(f"cgroup limits: {why}; memory, tasks and CPU are then limited per process (RLIMIT_AS, "
+                       "RLIMIT_NPROC, RLIMIT_CPU), so one run can hold max_procs x memory_mb and several cores")
+    return replace(iso, seccomp=program, cgroups=cgroups, missing=tuple(missing))
 
 
 def _probe(iso: _Isolation) -> str:
@@ -355,7 +367,8 @@ def isolation_info() -> dict[str, Any]:
     strong = iso.kind in ("root", "userns")
     return {"kind": iso.kind, "python": iso.python, "kernel_isolation": strong, "network_namespace": strong,
             "pid_namespace": strong, "mount_namespace": strong, "private_uid": iso.kind == "root",
-            "seccomp": iso.seccomp is not None, "missing": list(iso.missing), "reason": iso.reason}
+            "seccomp": iso.seccomp is not None, "cgroup": iso.cgroups.version if iso.cgroups else None,
+            "missing": list(iso.missing), "reason": iso.reason}
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -399,7 +412,7 @@ class _Child:
         # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one
         self.own_uid = uid is None and self.iso.kind == "root"
         self.uid = _uid_pool().acquire()[0] if self.own_uid else uid if self.iso.kind == "root" else None
-        self.dir, self.res_r = "", None
+        self.dir, self.res_r, self.cgroup_dirs = "", None, []
         fds: list[int] = []
         try:
             res_w = -1
@@ -420,6 +433,10 @@ class _Child:
                     files.append(_memfd("seccomp", self.iso.seccomp))
                 fds += files
                 cmd, cwd = self._bwrap_cmd(limits, files), "/"
+                if self.iso.cgroups is not None:  # all its processes together: tmpfs files count as memory
+                    self.cgroup_dirs = self.iso.cgroups.create((limits.memory_mb + limits.max_disk_mb) << 20,
+                                                               limits.max_procs + _LAUNCHER_TASKS)
+                    cmd = self.iso.cgroups.join_command(self.cgroup_dirs) + cmd
                 env.update(HOME=_BOX, TMPDIR=_BOX)
             self.proc = subprocess.Popen(
                 cmd + limits.argv(mode, res_w), cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -500,6 +517,9 @@ class _Child:
         if self.dir:
             _remove_dir(self.dir)
             self.dir = ""
+        if self.cgroup_dirs and self.iso.cgroups is not None:
+            self.iso.cgroups.remove(self.cgroup_dirs)
+            self.cgroup_dirs = []
         if self.uid is not None and self.own_uid:
             _uid_pool().release([self.uid])
         self.uid = None

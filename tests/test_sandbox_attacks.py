@@ -667,3 +667,16 @@ def test_an_honest_neighbour_keeps_its_time_beside_spinners(mode: str) -> None:
             t.join()
     assert all(r.ok and r.stdout == "499999500000\n" for r in results), results
     assert sorted(latencies)[len(latencies) // 2] < 0.8, latencies
+
+
+def test_the_trainer_side_decoder_refuses_frozenset_floods() -> None:
+    """:meth:`FunctionSession.call` decodes in the trainer: frozensets that all hash alike are refused like ints
+    are (a set of 20k of them took ~30 s to build)."""
+    from vpo_lightning.sandbox import _codec
+
+    p = (1 << 61) - 1
+    frame = _codec.dumps(["ok", {"s": [{"f": [k, k + p]} for k in range(1, 3000)]}])
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="one hash"):
+        _codec.loads(frame)
+    assert time.monotonic() - start < 1.0

@@ -14,30 +14,48 @@ Entry points (one launcher):
   call_raw` / :meth:`~FunctionSession.call_frame` return or relay answers undecoded, so the code reward computes
   verdicts in a second sandbox (the checker) and the trainer decodes nothing a candidate wrote.
 
-Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak, ``ERROR`` when
-code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak`` forces one):
+Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak or for a missing
+layer, ``ERROR`` when code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak``
+forces one):
 
 * ``root`` (the trainer runs as root; ``bwrap`` from bubblewrap and util-linux ``setpriv`` installed): each run
-  drops to a private unprivileged uid from a per-process pool (so ``RLIMIT_NPROC`` is per run and nothing it does
-  is done as root), then bubblewrap gives it new user, mount, PID, network, IPC, UTS and cgroup namespaces and
-  forbids nested user namespaces.
+  drops to a private unprivileged uid from a per-process pool (a candidate and its checker take theirs in one step:
+  :func:`function_sessions`), then bubblewrap gives it new user, mount, PID, network, IPC, UTS and cgroup namespaces
+  and forbids nested user namespaces. Nothing a candidate does is done as root or with a capability over anything
+  real.
 * ``userns`` (not root, unprivileged user namespaces allowed, ``bwrap`` installed): the same namespaces, as the
-  caller's uid.
+  caller's uid. Refused for a root trainer: there the candidate would be uid 0 with every capability in its
+  namespace, and files owned by real root (``/proc/sys``) would be writable. As root, the choice is ``root`` mode
+  or a refusal whose message names what is missing (``setpriv``, bubblewrap, a readable interpreter).
 * ``weak`` (no bubblewrap or no namespaces): only with ``VPO_SANDBOX_ALLOW_WEAK_ISOLATION=1``. A plain subprocess in
   a new session with the rlimits and the audit hook below: the candidate can read everything the trainer's user
   can read (reference solutions, data) and write wherever that user can. Without the flag the sandbox refuses
   (:class:`SandboxUnavailable`, whose message says how to install bubblewrap or opt in).
 
-What the candidate sees in ``root``/``userns``: a root filesystem that is an empty read-only tmpfs holding only the
-interpreter (read-only: the executable, its standard library with ``site-packages`` hidden, and the shared
-libraries ``ldd`` reports for it and its extension modules), a fresh ``/proc`` of its own PID namespace, a minimal
-``/dev`` (read-only), its run directory ``/sandbox`` (a tmpfs of ``max_disk_mb``, default 32 MiB, the only
-writable place; ``/tmp`` and ``/var/tmp`` point to it; it vanishes with the run), and the bootstrap's two modules.
-Nothing of the project, its data, its virtual environment, other packages, ``/etc``, ``/root`` or the host's
-``/tmp``/``/dev/shm``. The network namespace has only its own loopback interface; with no host path mounted and abstract
-sockets scoped to the namespace, no Unix socket outside is reachable either. No third-party package is available
-to candidates (none of the built-in tasks needs one). When the trainer's interpreter is not readable by the
-private uid (a pyenv under ``/root``), the first of ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
+Layers in ``root``/``userns``, none of which depends on the candidate's cooperation:
+
+* Filesystem: a root that is an empty read-only tmpfs holding only the interpreter (read-only: the executable, its
+  standard library with ``site-packages`` hidden, the shared libraries ``ldd`` reports for it and its extension
+  modules, and ``libgcc_s``, which glibc loads when a thread exits), a fresh ``/proc`` of its own PID namespace
+  mounted read-only (no ``/proc/sys`` file, ``sysrq-trigger`` or other kernel interface can be opened for writing),
+  a minimal read-only ``/dev``, its run directory ``/sandbox`` (a tmpfs of ``max_disk_mb``, default 32 MiB, the
+  only writable place; ``/tmp`` and ``/var/tmp`` point to it; it vanishes with the run), and the bootstrap's two
+  modules. Nothing of the project, its data, its virtual environment, other packages, ``/etc``, ``/root`` or the
+  host's ``/tmp``/``/dev/shm``. No third-party package is available to candidates (none of the built-in tasks needs
+  one). When the trainer's interpreter is not readable by the private uid (a pyenv under ``/root``), the first of
+  ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
+* Network: the namespace has only its own loopback interface; with no host path mounted and abstract sockets scoped
+  to the namespace, no Unix socket outside is reachable either; and seccomp allows no socket family but
+  ``AF_UNIX`` (``AF_VSOCK`` is not confined by network namespaces).
+* System calls: a seccomp filter (:mod:`._seccomp`, classic BPF built here, loaded by bubblewrap before the
+  interpreter starts) refuses what candidates never need: ``ptrace``/``process_vm_*``, the mount family, new
+  namespaces, keyrings, ``bpf``, ``perf_event_open``, ``memfd_create``, ``userfaultfd``, ``io_uring``, module and
+  ``kexec`` loading, clock and host settings, NUMA page moves; calls of another architecture kill the process.
+* Resources: a cgroup per run (:mod:`._cgroup`, under the trainer's own; v1, or v2 where the trainer's cgroup
+  delegates the controllers) caps all its processes together: memory (``memory_mb`` + ``max_disk_mb``, tmpfs files
+  and the kernel memory the run causes included), tasks (``max_procs`` + 2, threads included) and CPU (one core's
+  worth, and an equal share against other runs), so that forked processes and setsid spinners neither multiply the
+  budget nor starve a neighbour.
 
 In every mode the child is ``python -I -S -B -c "import _child; _child.main()"`` (the bootstrap in
 :mod:`._child` and :mod:`._codec`, copied into the sandbox; no site, no user environment, nothing of the parent's
@@ -45,17 +63,28 @@ state) with a scrubbed environment (``PATH``, ``HOME`` = ``TMPDIR`` = the run di
 pipes read by the parent up to a byte cap (then the run is killed), a wall-clock deadline (then its PID namespace,
 or in weak mode its process group, is killed), and limits set by the bootstrap before any candidate code runs
 (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0). The
-bootstrap then installs a ``sys.addaudithook`` guard as defence in depth only (nothing relies on it): it refuses
-sockets, ``ctypes``, process creation, signals to other processes, writes outside the run directory and other
-processes' ``/proc``, and binds all its state when installed, so rebinding globals does not switch it off.
+bootstrap then installs a ``sys.addaudithook`` guard, a second layer only: it refuses sockets, ``ctypes``, process
+creation, signals to other processes, writes outside the run directory and other processes' ``/proc``, and binds
+its state in closures so that rebinding globals does not switch it off. A candidate can still switch it off (find
+the hook through ``gc`` and rewrite its closure cells); the attack tests do exactly that and then check that the
+kernel layers above still hold.
 
-What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``; answers the
-trainer does decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would
-make building a set or dict quadratic).
+A machine that lacks a layer (no filter for its architecture, bubblewrap refusing ``--seccomp``, no writable
+cgroups) still runs candidates, with a WARNING at the first use that names the layer and why;
+``VPO_SANDBOX_STRICT=1`` makes that a refusal (:class:`SandboxUnavailable`). :func:`isolation_info` lists the
+missing layers.
 
-Known gaps: no seccomp filter (the candidate can make any system call its namespaces allow, so a kernel bug is the
-remaining way out); CPU time is bounded per process (``RLIMIT_CPU``) and by the deadline, not by a cgroup; memory
-by ``RLIMIT_AS`` per process (times ``max_procs``) plus the run directory's tmpfs.
+What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``. The built-in
+tasks compare answers in a checker sandbox and the trainer only compares verdict bytes; answers the trainer does
+decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would make building a
+set or dict quadratic).
+
+Known gaps: a kernel bug in a system call the filter allows is the remaining way out (the filter is a deny list: new
+kernels' new calls are allowed until listed); the filter exists for x86_64 only; without writable cgroups (as a
+normal user on most machines) memory is bounded per process (``RLIMIT_AS`` times ``max_procs``), CPU per process
+(``RLIMIT_CPU``) and by the deadline, and spinners can crowd a neighbour; the run directory's tmpfs has a size cap but
+no inode cap (bubblewrap cannot set one): empty files cost kernel memory, which the run's memory cgroup counts, but
+which nothing else bounds before the deadline; the v2 cgroup path is untested on the development machine (v1).
 
 Design tradeoff (code reward): one candidate process per candidate, not per test (starting a sandbox dominates the
 cost), plus one checker process. Tests share the candidate's process state (as in HumanEval's own ``check``),

@@ -3,7 +3,9 @@
 RLIMITs are per process: 16 processes under a 512 MiB ``RLIMIT_AS`` hold 8 GiB, and CPU spinners in their own
 sessions each get a core. A cgroup made for each run (under the trainer's own cgroup, in a ``vpo-sandbox-<pid>``
 folder removed at exit) caps the run as a whole: memory (its processes, its tmpfs files and the kernel memory it
-causes, such as inodes), tasks (processes and threads) and CPU (one core's worth). The run's first process (a
+causes, such as inodes), tasks (processes and threads) and CPU (one core's worth, and the weight of the trainer's
+own nice level, which the run's processes would otherwise inherit: a run does not outrank a niced trainer that
+relays its calls). The run's first process (a
 ``sh`` that then execs the launcher) joins the cgroup before anything else starts, so no candidate code ever runs
 outside it.
 
@@ -48,6 +50,7 @@ class Cgroups:
                 if os.path.exists(os.path.join(memory, "memory.memsw.limit_in_bytes")):
                     _write(memory, "memory.memsw.limit_in_bytes", memory_bytes)  # no swapping past the limit
                 _write(pids, "pids.max", tasks)
+                _write(cpu, "cpu.shares", max(2, round(1024 / 1.25 ** os.nice(0))))  # the kernel's nice weights
                 _write(cpu, "cpu.cfs_period_us", _PERIOD_US)
                 _write(cpu, "cpu.cfs_quota_us", int(_PERIOD_US * cpus))
             else:
@@ -56,6 +59,7 @@ class Cgroups:
                 if os.path.exists(os.path.join(folder, "memory.swap.max")):
                     _write(folder, "memory.swap.max", 0)
                 _write(folder, "pids.max", tasks)
+                _write(folder, "cpu.weight.nice", os.nice(0))
                 _write(folder, "cpu.max", f"{int(_PERIOD_US * cpus)} {_PERIOD_US}")
         except OSError:
             self.remove(dirs)

@@ -696,9 +696,11 @@ def run_python(
         stdin: data fed to its standard input (then closed).
         timeout_s: wall-clock limit; the run is killed (all its processes) when it passes.
         cpu_s: ``RLIMIT_CPU`` seconds (default: ``timeout_s`` rounded down + 2).
-        memory_mb: ``RLIMIT_AS`` in MiB.
+        memory_mb: ``RLIMIT_AS`` in MiB per process; with a cgroup per run, all its processes together (plus its
+            run directory's files) get ``memory_mb + max_disk_mb``.
         max_output_bytes: per stream; the run is killed once either stream reaches it.
-        max_procs: ``RLIMIT_NPROC`` (effective with a private uid, i.e. in ``root`` isolation).
+        max_procs: ``RLIMIT_NPROC`` (effective with a private uid, i.e. in ``root`` isolation); with a cgroup per
+            run, also its tasks (processes and threads) together.
         max_file_mb: ``RLIMIT_FSIZE`` in MiB.
         max_disk_mb: size of the run directory's tmpfs (all files together; kernel isolation modes only).
         guard: install the audit-hook guard (disable only to test the OS-level layer).

@@ -39,7 +39,7 @@ class Cgroups:
 
     def create(self, memory_bytes: int, tasks: int, cpus: float = 1.0) -> list[str]:
         """New cgroup folders for one run with its limits set (raises OSError if the kernel refuses)."""
-        name = f"run-{next(_COUNTER)}"
+        name = f"run-{os.getpid()}-{next(_COUNTER)}"  # a forked trainer process shares the base folder
         dirs = [os.path.join(parent, name) for parent in self.parents]
         try:
             for d in dirs:
@@ -194,5 +194,6 @@ def _make_base(cgroups: Cgroups) -> tuple[Cgroups | None, str]:
             _rmdir(d, tries=1)
         return None, f"cannot create a cgroup under {', '.join(cgroups.parents)} ({err.strerror or err})"
     bases = tuple(os.path.join(p, f"vpo-sandbox-{os.getpid()}") for p in cgroups.parents)
-    atexit.register(lambda: [_rmdir(d, tries=1) for d in (*_STALE, *bases)])
+    owner = os.getpid()
+    atexit.register(lambda: [_rmdir(d, tries=1) for d in (*_STALE, *bases)] if os.getpid() == owner else None)
     return Cgroups(cgroups.version, bases, cgroups.shell), ""

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -45,6 +46,49 @@ def mode(request, monkeypatch):
     if kind != request.param:
         pytest.skip(f"{request.param} isolation is not available here (got {kind})")
     return request.param
+
+
+def _run_unprivileged(code: str, **kwargs) -> dict:
+    """``sandbox.run_python(code, **kwargs)`` driven by an unprivileged user (uid 65534, the system python), so a
+    root machine also tests ``userns`` mode: the result as a dict, plus ``kind`` (the isolation it got)."""
+    script = (
+        "import json, sys\nfrom vpo_lightning import sandbox\n"
+        "code, kwargs = json.loads(sys.stdin.read())\n"
+        "info = sandbox.isolation_info()\n"
+        "r = sandbox.run_python(code, **kwargs) if info['kind'] == 'userns' else None\n"
+        "print(json.dumps({'kind': info['kind'], 'reason': info['reason'], **(r.__dict__ if r else {})}))\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8",
+           "VPO_SANDBOX_ISOLATION": "userns"}
+    done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
+                           "-c", script], input=json.dumps([code, kwargs]), env=env, capture_output=True, text=True,
+                          cwd="/", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(params=["root", "userns"])
+def run(request, monkeypatch):
+    """``run(code, **kwargs) -> dict`` of a :class:`~vpo_lightning.sandbox.SandboxResult`, in one kernel mode. As
+    root, ``userns`` runs through an unprivileged user (a root trainer is refused ``userns`` mode)."""
+    monkeypatch.setenv("VPO_SANDBOX_ISOLATION", request.param)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    if request.param == "root":
+        if os.geteuid() != 0:
+            pytest.skip("root mode needs root")
+        if sandbox.isolation_info()["kind"] != "root":
+            pytest.skip(f"root isolation is not available here: {sandbox.isolation_info()['reason']}")
+        return lambda code, **kwargs: sandbox.run_python(code, **kwargs).__dict__
+    if os.geteuid() != 0:
+        if sandbox.isolation_info()["kind"] != "userns":
+            pytest.skip(f"userns isolation is not available here: {sandbox.isolation_info()['reason']}")
+        return lambda code, **kwargs: sandbox.run_python(code, **kwargs).__dict__
+    if not os.path.exists("/usr/bin/python3") or shutil.which("setpriv") is None:
+        pytest.skip("userns from root needs /usr/bin/python3 and setpriv to drop to an unprivileged user")
+    probe = _run_unprivileged("print(1)")
+    if probe["kind"] != "userns":
+        pytest.skip(f"userns isolation is not available to an unprivileged user here: {probe['reason']}")
+    return _run_unprivileged
 
 
 def marker() -> Path:
@@ -376,3 +420,279 @@ def test_without_kernel_isolation_untrusted_code_is_refused(monkeypatch, caplog)
         result = sandbox.run_python("print(1)")
     assert result.ok and result.isolation == "weak" and result.stdout == "1\n"
     assert "refused" in caplog.text and "WEAK" in caplog.text
+
+
+# ------------------------------------------------------------------------- the kernel layer alone (issue 41)
+
+
+def test_no_kernel_setting_is_writable(run) -> None:
+    """Every file under /proc/sys (and /proc's other kernel interfaces) refuses to open for writing; a candidate
+    that could write ``kernel.core_pattern`` would have a crash run its binary as real root."""
+    code = (
+        "import os\nopened = []\n"
+        "paths = ['/proc/sysrq-trigger', '/proc/sys/kernel/core_pattern']\n"
+        "for d, _, files in os.walk('/proc/sys'):\n"
+        "    paths += [os.path.join(d, f) for f in files]\n"
+        "for p in paths:\n"
+        "    try:\n        os.close(os.open(p, os.O_WRONLY))\n        opened.append(p)\n"
+        "    except OSError:\n        pass\n"
+        "print(len(paths), len(opened), opened[:5])\n"
+    )
+    result = run(code, guard=False)
+    tried, opened = result["stdout"].split()[:2]
+    assert int(tried) > 100 and int(opened) == 0, result["stdout"]
+
+
+def test_root_trainer_is_refused_userns_mode(monkeypatch) -> None:
+    """As root, ``userns`` mode (candidate = uid 0 with capabilities in its namespace) is refused with an error that
+    names what root mode needs, never run."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("VPO_SANDBOX_ISOLATION", "userns")
+    monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="setpriv"):
+        sandbox.run_python("print(1)")
+
+
+def test_switching_off_the_guard_gains_nothing(run) -> None:
+    """The candidate finds the audit hook through ``gc`` and rewrites its closure (issue 41, item 2): the hook is
+    off, and still no anonymous memory file, no socket but AF_UNIX, no kernel setting, no new namespace."""
+    code = (
+        "import gc, os\n"
+        "for f in gc.get_objects():\n"
+        "    if type(f).__name__ == 'function' and f.__name__ == 'hook' and f.__closure__:\n"
+        "        for name, cell in zip(f.__code__.co_freevars, f.__closure__):\n"
+        "            if name == 'deny':\n                cell.cell_contents = lambda event: None\n"
+        "import ctypes, socket\nprint('guard-off')\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def attempt(name, fn):\n"
+        "    try:\n        out = fn()\n        print(name, 'ok' if out is None or out >= 0 else 'failed')\n"
+        "    except OSError as e:\n        print(name, 'failed', e.errno)\n"
+        "attempt('memfd', lambda: os.memfd_create('x'))\n"
+        "attempt('memfd-libc', lambda: libc.memfd_create(b'x', 0))\n"
+        "attempt('vsock', lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).fileno())\n"
+        "attempt('inet', lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).fileno())\n"
+        "attempt('netlink', lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM).fileno())\n"
+        "attempt('sysctl', lambda: os.open('/proc/sys/kernel/core_pattern', os.O_WRONLY))\n"
+        "attempt('unshare', lambda: libc.unshare(0x10000000 | 0x40000000))\n"  # CLONE_NEWUSER | CLONE_NEWNET
+        "attempt('mount', lambda: libc.mount(b'none', b'/sandbox', b'tmpfs', 0, None))\n"
+        "attempt('ptrace', lambda: libc.ptrace(16, 1, 0, 0))\n"  # PTRACE_ATTACH to the namespace's init
+        "attempt('keyctl', lambda: libc.syscall(250, 0, -4, 0, 0))\n"  # KEYCTL_GET_KEYRING_ID, user keyring
+        "attempt('bpf', lambda: libc.syscall(321, 0, 0, 0))\n"
+        "attempt('io_uring', lambda: libc.syscall(425, 8, ctypes.create_string_buffer(120)))\n"
+    )
+    result = run(code, guard=True)
+    lines = dict(line.split(" ", 1) if " " in line else (line, "") for line in result["stdout"].splitlines())
+    assert "guard-off" in lines, result  # the hook was switched off: what follows is the kernel layer alone
+    got = {k: v for k, v in lines.items() if k != "guard-off"}
+    assert len(got) == 12 and all(v.startswith("failed") for v in got.values()), got
+
+
+def test_memfd_cannot_escape_the_memory_limit(run) -> None:
+    """Anonymous memory files are not address space: 40 of them just under ``RLIMIT_FSIZE`` would hold ~600 MiB
+    under a 64 MiB ``RLIMIT_AS`` (issue 41, item 4). ``memfd_create`` is refused."""
+    code = (
+        "import os\ntotal, chunk, fds = 0, b'x' * (8 << 20), []\n"
+        "try:\n"
+        "    for _ in range(40):\n        fds.append(os.memfd_create('x'))\n"
+        "        os.write(fds[-1], chunk)\n        total += 8\n"
+        "except (OSError, MemoryError) as e:\n    print('stopped', type(e).__name__)\n"
+        "print(total)\n"
+    )
+    result = run(code, guard=False, memory_mb=64, timeout_s=10)
+    assert int(result["stdout"].split()[-1]) <= 64, result
+
+
+def test_no_socket_but_af_unix(run) -> None:
+    """AF_VSOCK is not confined by the network namespace (issue 41, item 5); no family but AF_UNIX is needed."""
+    code = (
+        "import socket\n"
+        "for fam, kind in (('AF_VSOCK', 'SOCK_STREAM'), ('AF_INET', 'SOCK_STREAM'), ('AF_INET6', 'SOCK_DGRAM'),\n"
+        "                  ('AF_NETLINK', 'SOCK_RAW'), ('AF_PACKET', 'SOCK_DGRAM')):\n"
+        "    try:\n        socket.socket(getattr(socket, fam), getattr(socket, kind))\n        print(fam, 'ok')\n"
+        "    except OSError as e:\n        print(fam, 'refused', e.errno)\n"
+        "a, b = socket.socketpair()\na.sendall(b'unix-ok')\nprint(b.recv(16).decode())\n"
+    )
+    result = run(code, guard=False)
+    assert " ok" not in result["stdout"] and result["stdout"].count("refused") == 5, result
+    assert "unix-ok" in result["stdout"]
+
+
+def test_daemon_thread_left_running_at_exit(run) -> None:
+    """A correct program that leaves a busy daemon thread at exit exits 0 (issue 41, item 7: glibc loads
+    ``libgcc_s`` to unwind the thread; without it the run died with SIGSEGV and a right answer scored 0)."""
+    code = ("import threading\n"
+            "def spin():\n    while True:\n        pass\n"
+            "threading.Thread(target=spin, daemon=True).start()\nprint(sum(map(int, input().split())))\n")
+    result = run(code, stdin="2 3\n", guard=False)
+    assert result["returncode"] == 0 and result["stdout"] == "5\n", result
+
+
+def test_a_missing_layer_is_a_warning_or_with_strict_an_error(monkeypatch, caplog) -> None:
+    """No seccomp filter for this machine: the sandbox still runs, with a WARNING naming the gap, and refuses to run
+    with ``VPO_SANDBOX_STRICT=1`` (issue 41: no fallback weaker than asked without a WARNING and an error setting)."""
+    from vpo_lightning.sandbox import _seccomp
+
+    monkeypatch.delenv("VPO_SANDBOX_ISOLATION", raising=False)
+    monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    if sandbox.isolation_info()["kind"] not in ("root", "userns"):
+        pytest.skip("needs kernel isolation")
+    monkeypatch.setattr(_seccomp, "program", lambda machine=None: None)
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    with caplog.at_level("INFO", logger="vpo_lightning.sandbox"):
+        info = sandbox.isolation_info()
+    assert info["seccomp"] is False and any("seccomp" in m for m in info["missing"])
+    assert any(r.levelname == "WARNING" and "seccomp" in r.getMessage() and sandbox.STRICT_FLAG in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setenv(sandbox.STRICT_FLAG, "1")
+    monkeypatch.setattr(sandbox, "_ISO", None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="seccomp"):
+        sandbox.run_python("print(1)")
+
+
+def test_uid_pool_as_small_as_the_scoring_threads(mode: str, monkeypatch) -> None:
+    """As many scoring threads as private uids (issue 41, item 6: each candidate took its two uids one at a time,
+    so with ``reward_workers`` = pool size every thread held one and waited forever): scoring finishes, all pass."""
+    from vpo_lightning.tasks.code import score_candidates
+
+    workers = 4
+    pool = sandbox._UidPool(workers)
+    monkeypatch.setattr(sandbox, "_UIDS", pool)
+    record = {"ground_truth": TOY}
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(score_candidates(
+        ["def add(a, b):\n    return a + b"] * 8, [record] * 8, max_workers=workers, total_timeout_s=30.0)),
+        daemon=True)
+    thread.start()
+    thread.join(90)
+    if thread.is_alive():  # deadlocked: hand out spare uids so the stuck threads can end, then fail
+        for uid in range(3_000_000_000, 3_000_000_064):
+            if hasattr(pool._free, "put"):  # the old pool: a queue of single uids
+                pool._free.put(uid)
+        thread.join(120)
+    assert done and all(r == [True, True, True] for r in done[0]), done
+
+
+def test_a_livecodebench_answer_cannot_stall_the_trainer(mode: str) -> None:
+    """A function-call answer that is a set of frozensets with one hash (issue 41, item 3: decoded in the trainer it
+    held the GIL ~30 s per 1 MB frame): the trainer's other threads keep ticking and an honest candidate scored
+    beside it keeps its full score."""
+    from vpo_lightning.tasks.livecodebench import run_tests as lcb_run_tests
+
+    tests = [{"input": f"{a}\n{b}", "output": str(a + b)} for a, b in ((1, 2), (5, 7), (-3, 3), (10, 0))]
+    truth = {"testtype": "functional", "func_name": "add", "tests": tests, "time_limit_s": 2.0}
+    flood = (
+        "import json, os\n"
+        "def add(a, b):\n"
+        "    P = (1 << 61) - 1\n"  # frozenset({k, k + P}): both elements hash to k, so every pair hashes alike
+        "    body = json.dumps(['ok', {'s': [{'f': [k, k + P]} for k in range(1, 20000)]}],\n"
+        "                      separators=(',', ':')).encode()\n"
+        "    for fd in range(3, 64):\n"
+        "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+        "        except OSError:\n            pass\n"
+        "    return a + b\n"
+    )
+    honest = "```python\ndef add(a, b):\n    return a + b\n```"
+    ticks: list[float] = []
+    results: dict[str, list[bool]] = {}
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+
+    def score(name: str, answer: str) -> None:
+        results[name] = lcb_run_tests(answer, truth, total_timeout_s=20.0)
+
+    threads = [threading.Thread(target=ticker),
+               threading.Thread(target=score, args=("attack", f"```python\n{flood}```")),
+               threading.Thread(target=score, args=("honest", honest))]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert max(gaps) < 1.0, max(gaps)
+    assert results["honest"] == [True] * 4 and not any(results["attack"]), results
+
+
+def _needs_cgroups() -> None:
+    if sandbox.isolation_info()["cgroup"] is None:
+        pytest.skip(f"no per-run cgroups here: {sandbox.isolation_info()['missing']}")
+
+
+def test_memory_is_limited_per_sandbox_not_per_process(mode: str) -> None:
+    """Eight processes each touch 48 MiB under ``memory_mb=128`` (``RLIMIT_AS`` is per process, so they held
+    8 x 48 MiB): at most what the run's budget (memory + its tmpfs) holds is alive at once."""
+    _needs_cgroups()
+    code = (  # every child still alive at `moment` holds its block then
+        "import os, time\nmoment = time.time() + 3\n"
+        "for i in range(8):\n"
+        "    if os.fork() == 0:\n"
+        "        try:\n            block = b'x' * (48 << 20)\n"
+        "            time.sleep(max(0, moment - time.time()))\n            print('held', flush=True)\n"
+        "        finally:\n            os._exit(0)\n"
+        "for i in range(8):\n    os.wait()\n"
+    )
+    result = sandbox.run_python(code, guard=False, memory_mb=128, max_disk_mb=32, timeout_s=10)
+    assert result.stdout.count("held") * 48 <= 128 + 32, result
+
+
+def test_an_honest_neighbour_keeps_its_time_beside_spinners(mode: str) -> None:
+    """Four runs start 15 CPU spinners each in their own sessions (issue 41: an honest neighbour fell from 8/8 to
+    1/8 tests). Each run's cgroup gets one core's worth and an equal share, so an honest run beside them keeps its
+    pace (measured on the loaded 2-core machine: 0.2-0.4 s each, 0.8-1.6 s without per-run cgroups)."""
+    _needs_cgroups()
+    spinners = ("import os, time\nfor _ in range(15):\n"
+                "    if os.fork() == 0:\n        os.setsid()\n        while True:\n            pass\ntime.sleep(6)\n")
+    attackers = [threading.Thread(target=sandbox.run_python, args=(spinners,), kwargs={"guard": False,
+                                                                                       "timeout_s": 8})
+                 for _ in range(4)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(1.5)  # the spinners are running
+        latencies, results = [], []
+        for _ in range(4):
+            start = time.monotonic()
+            results.append(sandbox.run_python("print(sum(range(10**6)))", timeout_s=5))
+            latencies.append(time.monotonic() - start)
+    finally:
+        for t in attackers:
+            t.join()
+    assert all(r.ok and r.stdout == "499999500000\n" for r in results), results
+    assert sorted(latencies)[len(latencies) // 2] < 0.8, latencies
+
+
+def test_the_trainer_side_decoder_refuses_frozenset_floods() -> None:
+    """:meth:`FunctionSession.call` decodes in the trainer: frozensets that all hash alike are refused like ints
+    are (a set of 20k of them took ~30 s to build)."""
+    from vpo_lightning.sandbox import _codec
+
+    p = (1 << 61) - 1
+    frame = _codec.dumps(["ok", {"s": [{"f": [k, k + p]} for k in range(1, 3000)]}])
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="one hash"):
+        _codec.loads(frame)
+    assert time.monotonic() - start < 1.0
+
+
+def test_an_empty_file_flood_is_bounded_by_the_run_budget(mode: str) -> None:
+    """Empty files take no tmpfs space but kernel memory (inodes, dentries: 138 MiB in issue 41, 391k files in 6 s
+    here before): the run's memory cgroup counts that memory, so the flood ends well before its deadline."""
+    _needs_cgroups()
+    code = (
+        "import sys, time\nend, n = time.time() + 12, 0\n"
+        "while time.time() < end:\n"
+        "    for _ in range(10000):\n        open('f%d' % n, 'w').close()\n        n += 1\n"
+        "    print(n, flush=True)\n"
+        "print('done', flush=True)\n"
+    )
+    result = sandbox.run_python(code, guard=False, memory_mb=32, max_disk_mb=8, timeout_s=15)
+    counts = [int(line) for line in result.stdout.split() if line.isdigit()]
+    assert "done" not in result.stdout and max(counts, default=0) <= 100_000, result.stdout[-200:]

@@ -327,10 +327,10 @@ def test_close_ends_keep_alive_connections(server):
 
 def test_decode_json_limits():
     from vpo_lightning.serve import APIError, decode_json
-    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, json_depth
+    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, value_depth
 
-    assert json_depth('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}') == 3  # brackets inside strings do not count
-    assert json_depth("[]") == 1 and json_depth('"x"') == 0
+    assert value_depth(json.loads('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}')) == 3  # strings do not count
+    assert value_depth([]) == 1 and value_depth("x") == 0
     assert decode_json(b'{"seed": -12, "t": 0.5, "s": "NaN"}') == {"seed": -12, "t": 0.5, "s": "NaN"}
     assert decode_json(("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH).encode())  # the limit itself is accepted
     for raw, code in [(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "nesting_too_deep"),
@@ -410,3 +410,99 @@ def test_openevolve_two_iterations_against_vpo_serve(tmp_path, tiny_model_dir):
     assert [m.get("skipped") for m in results["models"][1:]] == ["no adapter given"] * 2
     text = out.read_text()
     assert "| HumanEval/1 |" in text and "2 iterations per problem" in text
+
+
+# ---- issue 41: no input stalls the server ----------------------------------------------------------------------------
+def _flood_server(server, **settings):
+    gen = server.generator
+    return build_server(gen.model, gen.tokenizer, base_name="tiny-llama", adapter_name="vpo", port=0,
+                        settings=ServeSettings(**{"max_request_bytes": 2_000_000, "max_tokens_limit": 8,
+                                                  "batch_wait_s": 0.0, **settings})).start()
+
+
+def test_a_1mb_body_is_answered_within_a_second(server):
+    """Bodies that made the old depth check quadratic (escaped quotes in an unterminated string: 40 kB froze the
+    server for 9.5 s) or nest deeply, at 1 MB each: a 400 within a second, and the server keeps answering."""
+    import time
+
+    srv = _flood_server(server)
+    try:
+        for body in ['"' + '\\"' * 500_000, '{"messages": ' + "[" * 1_000_000, "[" * 100 + "1" + "]" * 100]:
+            t0 = time.monotonic()
+            status, payload, _ = _raw(srv, "POST", "/v1/chat/completions", body.encode())
+            elapsed = time.monotonic() - t0
+            assert status == 400 and elapsed < 1.0, (status, elapsed, payload)
+        assert _raw(srv, "GET", "/health")[0] == 200
+    finally:
+        srv.close()
+
+
+def test_a_flood_of_long_prompts_does_not_starve_short_requests(server):
+    """Four clients post 1 MB and 300 kB prompts in a loop (1 MB ones held the shared tokenizer for ~2.5 s each, so
+    valid requests waited out the flood: 17.7 s instead of 0.06 s); short requests beside them stay fast."""
+    import time
+
+    srv = _flood_server(server, max_concurrency=16)
+    stop = threading.Event()
+    flood_status: list[int] = []
+
+    def flood(size: int) -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": "word " * (size // 5)}], "max_tokens": 1})
+        while not stop.is_set():
+            flood_status.append(_raw(srv, "POST", "/v1/chat/completions", body)[0])
+
+    threads = [threading.Thread(target=flood, args=(size,)) for size in (1_000_000, 1_000_000, 300_000, 300_000)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the flood is under way
+        latencies = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            status, payload, _ = _raw(srv, "POST", "/v1/chat/completions",
+                                      json.dumps({"messages": MSG, "max_tokens": 1, "temperature": 0}))
+            latencies.append(time.monotonic() - t0)
+            assert status == 200, payload
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        srv.close()
+    assert flood_status and set(flood_status) == {400}  # every flood request is refused (past the context)
+    assert max(latencies) < 1.0, latencies
+
+
+def test_tiny_temperatures_are_greedy(server):
+    """A temperature in (0, 1e-5) is greedy decoding (1e-39 overflowed the logits to inf: 500)."""
+    body = {"messages": MSG, "max_tokens": 6, "model": "vpo"}
+    status, tiny, _ = _raw(server, "POST", "/v1/chat/completions", json.dumps({**body, "temperature": 1e-39}))
+    assert status == 200, tiny
+    greedy = _raw(server, "POST", "/v1/chat/completions", json.dumps({**body, "temperature": 0}))[1]
+    assert tiny["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+
+
+def test_a_client_hanging_up_is_not_a_server_error(server, caplog):
+    """A client that resets its connection while its request is generating is counted as a disconnect, not a 5xx,
+    and leaves no traceback in the log."""
+    import socket
+    import struct
+    import time
+
+    srv = _flood_server(server, batch_wait_s=0.5)  # the answer comes after the client is gone
+    try:
+        body = json.dumps({"messages": MSG, "max_tokens": 2}).encode()
+        with caplog.at_level("DEBUG", logger="vpo_lightning.serve.server"):
+            sock = socket.create_connection(("127.0.0.1", srv.server_address[1]))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.2)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            sock.close()
+            deadline = time.monotonic() + 10
+            while _raw(srv, "GET", "/stats")[1]["client_disconnects"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        stats = _raw(srv, "GET", "/stats")[1]
+        assert stats["client_disconnects"] == 1 and stats["http_5xx"] == 0, stats
+        assert not any(r.levelname in ("ERROR", "CRITICAL") for r in caplog.records), caplog.text
+    finally:
+        srv.close()

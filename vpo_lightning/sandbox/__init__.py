@@ -14,30 +14,48 @@ Entry points (one launcher):
   call_raw` / :meth:`~FunctionSession.call_frame` return or relay answers undecoded, so the code reward computes
   verdicts in a second sandbox (the checker) and the trainer decodes nothing a candidate wrote.
 
-Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak, ``ERROR`` when
-code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak`` forces one):
+Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak or for a missing
+layer, ``ERROR`` when code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak``
+forces one):
 
 * ``root`` (the trainer runs as root; ``bwrap`` from bubblewrap and util-linux ``setpriv`` installed): each run
-  drops to a private unprivileged uid from a per-process pool (so ``RLIMIT_NPROC`` is per run and nothing it does
-  is done as root), then bubblewrap gives it new user, mount, PID, network, IPC, UTS and cgroup namespaces and
-  forbids nested user namespaces.
+  drops to a private unprivileged uid from a per-process pool (a candidate and its checker take theirs in one step:
+  :func:`function_sessions`), then bubblewrap gives it new user, mount, PID, network, IPC, UTS and cgroup namespaces
+  and forbids nested user namespaces. Nothing a candidate does is done as root or with a capability over anything
+  real.
 * ``userns`` (not root, unprivileged user namespaces allowed, ``bwrap`` installed): the same namespaces, as the
-  caller's uid.
+  caller's uid. Refused for a root trainer: there the candidate would be uid 0 with every capability in its
+  namespace, and files owned by real root (``/proc/sys``) would be writable. As root, the choice is ``root`` mode
+  or a refusal whose message names what is missing (``setpriv``, bubblewrap, a readable interpreter).
 * ``weak`` (no bubblewrap or no namespaces): only with ``VPO_SANDBOX_ALLOW_WEAK_ISOLATION=1``. A plain subprocess in
   a new session with the rlimits and the audit hook below: the candidate can read everything the trainer's user
   can read (reference solutions, data) and write wherever that user can. Without the flag the sandbox refuses
   (:class:`SandboxUnavailable`, whose message says how to install bubblewrap or opt in).
 
-What the candidate sees in ``root``/``userns``: a root filesystem that is an empty read-only tmpfs holding only the
-interpreter (read-only: the executable, its standard library with ``site-packages`` hidden, and the shared
-libraries ``ldd`` reports for it and its extension modules), a fresh ``/proc`` of its own PID namespace, a minimal
-``/dev`` (read-only), its run directory ``/sandbox`` (a tmpfs of ``max_disk_mb``, default 32 MiB, the only
-writable place; ``/tmp`` and ``/var/tmp`` point to it; it vanishes with the run), and the bootstrap's two modules.
-Nothing of the project, its data, its virtual environment, other packages, ``/etc``, ``/root`` or the host's
-``/tmp``/``/dev/shm``. The network namespace has only its own loopback interface; with no host path mounted and abstract
-sockets scoped to the namespace, no Unix socket outside is reachable either. No third-party package is available
-to candidates (none of the built-in tasks needs one). When the trainer's interpreter is not readable by the
-private uid (a pyenv under ``/root``), the first of ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
+Layers in ``root``/``userns``, none of which depends on the candidate's cooperation:
+
+* Filesystem: a root that is an empty read-only tmpfs holding only the interpreter (read-only: the executable, its
+  standard library with ``site-packages`` hidden, the shared libraries ``ldd`` reports for it and its extension
+  modules, and ``libgcc_s``, which glibc loads when a thread exits), a fresh ``/proc`` of its own PID namespace
+  mounted read-only (no ``/proc/sys`` file, ``sysrq-trigger`` or other kernel interface can be opened for writing),
+  a minimal read-only ``/dev``, its run directory ``/sandbox`` (a tmpfs of ``max_disk_mb``, default 32 MiB, the
+  only writable place; ``/tmp`` and ``/var/tmp`` point to it; it vanishes with the run), and the bootstrap's two
+  modules. Nothing of the project, its data, its virtual environment, other packages, ``/etc``, ``/root`` or the
+  host's ``/tmp``/``/dev/shm``. No third-party package is available to candidates (none of the built-in tasks needs
+  one). When the trainer's interpreter is not readable by the private uid (a pyenv under ``/root``), the first of
+  ``/usr/bin/python3`` or ``python3`` on PATH that works is used.
+* Network: the namespace has only its own loopback interface; with no host path mounted and abstract sockets scoped
+  to the namespace, no Unix socket outside is reachable either; and seccomp allows no socket family but
+  ``AF_UNIX`` (``AF_VSOCK`` is not confined by network namespaces).
+* System calls: a seccomp filter (:mod:`._seccomp`, classic BPF built here, loaded by bubblewrap before the
+  interpreter starts) refuses what candidates never need: ``ptrace``/``process_vm_*``, the mount family, new
+  namespaces, keyrings, ``bpf``, ``perf_event_open``, ``memfd_create``, ``userfaultfd``, ``io_uring``, module and
+  ``kexec`` loading, clock and host settings, NUMA page moves; calls of another architecture kill the process.
+* Resources: a cgroup per run (:mod:`._cgroup`, under the trainer's own; v1, or v2 where the trainer's cgroup
+  delegates the controllers) caps all its processes together: memory (``memory_mb`` + ``max_disk_mb``, tmpfs files
+  and the kernel memory the run causes included), tasks (``max_procs`` + 2, threads included) and CPU (one core's
+  worth, and an equal share against other runs), so that forked processes and setsid spinners neither multiply the
+  budget nor starve a neighbour.
 
 In every mode the child is ``python -I -S -B -c "import _child; _child.main()"`` (the bootstrap in
 :mod:`._child` and :mod:`._codec`, copied into the sandbox; no site, no user environment, nothing of the parent's
@@ -45,17 +63,28 @@ state) with a scrubbed environment (``PATH``, ``HOME`` = ``TMPDIR`` = the run di
 pipes read by the parent up to a byte cap (then the run is killed), a wall-clock deadline (then its PID namespace,
 or in weak mode its process group, is killed), and limits set by the bootstrap before any candidate code runs
 (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0). The
-bootstrap then installs a ``sys.addaudithook`` guard as defence in depth only (nothing relies on it): it refuses
-sockets, ``ctypes``, process creation, signals to other processes, writes outside the run directory and other
-processes' ``/proc``, and binds all its state when installed, so rebinding globals does not switch it off.
+bootstrap then installs a ``sys.addaudithook`` guard, a second layer only: it refuses sockets, ``ctypes``, process
+creation, signals to other processes, writes outside the run directory and other processes' ``/proc``, and binds
+its state in closures so that rebinding globals does not switch it off. A candidate can still switch it off (find
+the hook through ``gc`` and rewrite its closure cells); the attack tests do exactly that and then check that the
+kernel layers above still hold.
 
-What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``; answers the
-trainer does decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would
-make building a set or dict quadratic).
+A machine that lacks a layer (no filter for its architecture, bubblewrap refusing ``--seccomp``, no writable
+cgroups) still runs candidates, with a WARNING at the first use that names the layer and why;
+``VPO_SANDBOX_STRICT=1`` makes that a refusal (:class:`SandboxUnavailable`). :func:`isolation_info` lists the
+missing layers.
 
-Known gaps: no seccomp filter (the candidate can make any system call its namespaces allow, so a kernel bug is the
-remaining way out); CPU time is bounded per process (``RLIMIT_CPU``) and by the deadline, not by a cgroup; memory
-by ``RLIMIT_AS`` per process (times ``max_procs``) plus the run directory's tmpfs.
+What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``. The built-in
+tasks compare answers in a checker sandbox and the trainer only compares verdict bytes; answers the trainer does
+decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would make building a
+set or dict quadratic).
+
+Known gaps: a kernel bug in a system call the filter allows is the remaining way out (the filter is a deny list: new
+kernels' new calls are allowed until listed); the filter exists for x86_64 only; without writable cgroups (as a
+normal user on most machines) memory is bounded per process (``RLIMIT_AS`` times ``max_procs``), CPU per process
+(``RLIMIT_CPU``) and by the deadline, and spinners can crowd a neighbour; the run directory's tmpfs has a size cap but
+no inode cap (bubblewrap cannot set one): empty files cost kernel memory, which the run's memory cgroup counts, but
+which nothing else bounds before the deadline; the v2 cgroup path is untested on the development machine (v1).
 
 Design tradeoff (code reward): one candidate process per candidate, not per test (starting a sandbox dominates the
 cost), plus one checker process. Tests share the candidate's process state (as in HumanEval's own ``check``),
@@ -65,10 +94,11 @@ its process fails alone and the next test gets a fresh process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import queue
+import platform
 import selectors
 import shutil
 import signal
@@ -77,13 +107,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from . import _codec
+from . import _cgroup, _codec, _seccomp
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,6 +121,8 @@ _CHILD_FILES = ("_child.py", "_codec.py")
 _BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
 _LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
 WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
+_LAUNCHER_TASKS = 2  # tasks of a run that are not the candidate's: bubblewrap's outer process and a spare
+STRICT_FLAG = "VPO_SANDBOX_STRICT"  # a layer missing here (seccomp, cgroup limits) is an error, not a WARNING
 
 
 def _boot(lib: str) -> str:
@@ -160,22 +192,37 @@ class _Isolation:
     setpriv: str | None = None
     binds: tuple[str, ...] = ()  # bubblewrap arguments that lay out the interpreter read-only
     reason: str = ""
+    seccomp: bytes | None = None  # the filter bubblewrap loads (None: not available here)
+    cgroups: _cgroup.Cgroups | None = None  # where per-run cgroups are made (None: per-process rlimits only)
+    missing: tuple[str, ...] = ()  # layers this machine lacks, each with why (logged as a WARNING)
 
 
 class _UidPool:
-    """Private uids for concurrent runs in root mode: 64 per parent process, derived from its pid."""
+    """Private uids for concurrent runs in root mode: ``size`` per parent process, derived from its pid.
 
-    def __init__(self, size: int = 64) -> None:
+    A caller that needs several uids at once (a candidate and its checker) takes them in one :meth:`acquire`, so
+    threads never hold some while waiting for more (with as many scoring threads as uids, one uid at a time
+    deadlocked every thread)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
         base = 1_000_000 + (os.getpid() % 1_000_000) * size
-        self._free: queue.Queue[int] = queue.Queue()
-        for uid in range(base, base + size):
-            self._free.put(uid)
+        self._free = list(range(base, base + size))
+        self._cond = threading.Condition()
 
-    def acquire(self) -> int:
-        return self._free.get()
+    def acquire(self, n: int = 1) -> list[int]:
+        """``n`` distinct uids, all at once (waits until ``n`` are free)."""
+        if not 1 <= n <= self.size:
+            raise ValueError(f"cannot take {n} uids from a pool of {self.size}")
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._free) >= n)
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
 
-    def release(self, uid: int) -> None:
-        self._free.put(uid)
+    def release(self, uids: Sequence[int]) -> None:
+        with self._cond:
+            self._free.extend(uids)
+            self._cond.notify_all()
 
 
 _ISO: _Isolation | None = None
@@ -218,6 +265,12 @@ def _python_binds(python: str) -> tuple[str, ...] | None:
             path = parts[2] if len(parts) >= 3 and parts[1] == "=>" else parts[0] if parts else ""
             if path.startswith("/") and os.path.exists(path):
                 libs[path] = os.path.realpath(path)
+    # glibc dlopens libgcc_s when a thread exits or is cancelled (pthread_exit unwinds through it); no ldd lists it,
+    # and without it a program that leaves a running daemon thread at exit dies with SIGSEGV.
+    for folder in {os.path.dirname(p) for p in libs if os.path.basename(p).startswith("libc.so")}:
+        gcc = os.path.join(folder, "libgcc_s.so.1")
+        if os.path.exists(gcc):
+            libs[gcc] = os.path.realpath(gcc)
     binds = ["--ro-bind", exe, exe]
     for d in dirs:
         binds += ["--ro-bind", d, d]
@@ -235,34 +288,70 @@ def _candidate_pythons() -> list[str]:
     return list(dict.fromkeys(os.path.realpath(p) for p in found if p and os.path.exists(p)))
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def _weak_allowed() -> bool:
-    return os.environ.get(WEAK_FLAG, "").strip().lower() in ("1", "true", "yes")
+    return _flag(WEAK_FLAG)
 
 
 def _detect() -> _Isolation:
     forced = os.environ.get("VPO_SANDBOX_ISOLATION", "auto").strip().lower() or "auto"
     bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+    as_root = os.geteuid() == 0
     kinds = ["root", "userns"] if forced == "auto" else [forced]
     why = []
     for kind in kinds:
         if kind not in ("root", "userns"):
             continue
-        if bwrap is None or (kind == "root" and (os.geteuid() != 0 or setpriv is None)):
-            why.append(f"{kind}: needs {'root, setpriv and ' if kind == 'root' else ''}bubblewrap (bwrap)")
+        if kind == "userns" and as_root:  # the candidate would be uid 0 with every capability in its namespace
+            why.append("userns: refused for a root trainer (the candidate would run as uid 0 with capabilities in "
+                       "its namespace); root mode drops to a private uid and needs util-linux setpriv "
+                       f"({'found' if setpriv else 'not found: apt-get install -y util-linux'})")
+            continue
+        if bwrap is None or (kind == "root" and (not as_root or setpriv is None)):
+            why.append(f"{kind}: needs {'root, setpriv (util-linux) and ' if kind == 'root' else ''}bubblewrap (bwrap)")
             continue
         for python in _candidate_pythons():
             binds = _python_binds(python)
             if binds is None:
                 continue
-            iso = _Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds)
+            iso = _with_layers(_Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds))
             error = _probe(iso)
-            if not error:
-                return iso
-            why.append(f"{kind} with {python}: {error}")
+            for layer in ("cgroups", "seccomp"):  # a layer the kernel refuses is dropped, with a WARNING
+                if error and getattr(iso, layer) is not None and not _probe(replace(iso, **{layer: None})):
+                    iso = replace(iso, **{layer: None}, missing=(*iso.missing, f"{layer}: refused here "
+                                                                 f"({error.strip()[-200:]})"))
+                    error = ""
+            if error:
+                why.append(f"{kind} with {python}: {error}")
+                continue
+            if iso.missing and _flag(STRICT_FLAG):
+                return _Isolation("unavailable", "", reason=f"{STRICT_FLAG}=1 and this machine lacks: "
+                                  + "; ".join(iso.missing))
+            return iso
     reason = "; ".join(why) or f"VPO_SANDBOX_ISOLATION={forced}"
     if _weak_allowed() and forced in ("auto", "weak"):
         return _Isolation("weak", os.path.realpath(sys.executable), reason=reason)
     return _Isolation("unavailable", "", reason=reason)
+
+
+@lru_cache(maxsize=1)
+def _cgroups() -> tuple[_cgroup.Cgroups | None, str]:
+    return _cgroup.detect()
+
+
+def _with_layers(iso: _Isolation) -> _Isolation:
+    """``iso`` with the seccomp filter and per-run cgroups, and the layers this machine lacks listed in ``missing``."""
+    program = _seccomp.program()
+    missing = [] if program else [f"seccomp: no filter for this machine ({platform.machine()}), so candidates can "
+                                  "make any system call their namespaces allow"]
+    cgroups, why = _cgroups()
+    if cgroups is None:
+        missing.append(f"cgroup limits: {why}; memory, tasks and CPU are then limited per process (RLIMIT_AS, "
+                       "RLIMIT_NPROC, RLIMIT_CPU), so one run can hold max_procs x memory_mb and several cores")
+    return replace(iso, seccomp=program, cgroups=cgroups, missing=tuple(missing))
 
 
 def _probe(iso: _Isolation) -> str:
@@ -286,9 +375,12 @@ def _isolation() -> _Isolation:
         if _ISO is None:
             _ISO = _detect()
             if _ISO.kind in ("root", "userns"):
-                log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, python %s)",
-                         _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
-                         _ISO.python)
+                log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, seccomp %s, "
+                         "python %s)", _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
+                         "on" if _ISO.seccomp else "OFF", _ISO.python)
+                for gap in _ISO.missing:
+                    log.warning("sandbox isolation is weaker than it should be: %s (set %s=1 to refuse to run "
+                                "instead)", gap, STRICT_FLAG)
             elif _ISO.kind == "weak":
                 log.warning("sandbox isolation: WEAK (%s=1): model-written code runs with no kernel isolation, only "
                             "rlimits and an audit hook; it can read the filesystem. Why no isolation: %s",
@@ -304,7 +396,8 @@ def isolation_info() -> dict[str, Any]:
     strong = iso.kind in ("root", "userns")
     return {"kind": iso.kind, "python": iso.python, "kernel_isolation": strong, "network_namespace": strong,
             "pid_namespace": strong, "mount_namespace": strong, "private_uid": iso.kind == "root",
-            "reason": iso.reason}
+            "seccomp": iso.seccomp is not None, "cgroup": iso.cgroups.version if iso.cgroups else None,
+            "missing": list(iso.missing), "reason": iso.reason}
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -338,15 +431,17 @@ class _Child:
     """One sandboxed interpreter: its process, uid and pipes, and how to kill and clean it."""
 
     def __init__(self, program: str, limits: SandboxLimits, mode: str, merge_stderr: bool = False,
-                 iso: _Isolation | None = None) -> None:
+                 iso: _Isolation | None = None, uid: int | None = None) -> None:
         self.iso = iso or _isolation()
         if self.iso.kind == "unavailable":
             raise SandboxUnavailable(
                 "the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
                 f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
                 f"isolation (the candidate can then read this machine's files). Why: {self.iso.reason}")
-        self.uid = _uid_pool().acquire() if self.iso.kind == "root" else None
-        self.dir, self.res_r = "", None
+        # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one
+        self.own_uid = uid is None and self.iso.kind == "root"
+        self.uid = _uid_pool().acquire()[0] if self.own_uid else uid if self.iso.kind == "root" else None
+        self.dir, self.res_r, self.cgroup_dirs = "", None, []
         fds: list[int] = []
         try:
             res_w = -1
@@ -363,8 +458,14 @@ class _Child:
             else:
                 files = [_memfd("main", program.encode()), *(_memfd(n, src) for n, src in
                                                              zip(_CHILD_FILES, _child_sources()))]
+                if self.iso.seccomp is not None:
+                    files.append(_memfd("seccomp", self.iso.seccomp))
                 fds += files
                 cmd, cwd = self._bwrap_cmd(limits, files), "/"
+                if self.iso.cgroups is not None:  # all its processes together: tmpfs files count as memory
+                    self.cgroup_dirs = self.iso.cgroups.create((limits.memory_mb + limits.max_disk_mb) << 20,
+                                                               limits.max_procs + _LAUNCHER_TASKS)
+                    cmd = self.iso.cgroups.join_command(self.cgroup_dirs) + cmd
                 env.update(HOME=_BOX, TMPDIR=_BOX)
             self.proc = subprocess.Popen(
                 cmd + limits.argv(mode, res_w), cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -382,16 +483,17 @@ class _Child:
         iso = self.iso
         prefix = [] if self.uid is None else [iso.setpriv, "--reuid", str(self.uid), "--regid", str(self.uid),
                                               "--clear-groups", "--"]
-        main_fd, child_fd, codec_fd = files
+        main_fd, child_fd, codec_fd = files[:3]
+        seccomp = ["--seccomp", str(files[3])] if len(files) > 3 else []
         return [
             *prefix, iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--as-pid-1", "--new-session",
+            "--as-pid-1", "--new-session", *seccomp,
             "--proc", "/proc", "--dev", "/dev", *iso.binds,
             "--size", str(limits.max_disk_mb << 20), "--perms", "0700", "--tmpfs", _BOX,
             "--symlink", _BOX, "/tmp", "--symlink", _BOX, "/var/tmp",
             "--file", str(main_fd), f"{_BOX}/main.py",
             "--file", str(child_fd), f"{_LIB}/_child.py", "--file", str(codec_fd), f"{_LIB}/_codec.py",
-            "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", _BOX,
+            "--remount-ro", "/", "--remount-ro", "/dev", "--remount-ro", "/proc", "--chdir", _BOX,
             iso.python, "-I", "-S", "-B", "-c", _boot(_LIB),
         ]
 
@@ -444,9 +546,12 @@ class _Child:
         if self.dir:
             _remove_dir(self.dir)
             self.dir = ""
-        if self.uid is not None:
-            _uid_pool().release(self.uid)
-            self.uid = None
+        if self.cgroup_dirs and self.iso.cgroups is not None:
+            self.iso.cgroups.remove(self.cgroup_dirs)
+            self.cgroup_dirs = []
+        if self.uid is not None and self.own_uid:
+            _uid_pool().release([self.uid])
+        self.uid = None
 
 
 class _Pump:
@@ -591,9 +696,11 @@ def run_python(
         stdin: data fed to its standard input (then closed).
         timeout_s: wall-clock limit; the run is killed (all its processes) when it passes.
         cpu_s: ``RLIMIT_CPU`` seconds (default: ``timeout_s`` rounded down + 2).
-        memory_mb: ``RLIMIT_AS`` in MiB.
+        memory_mb: ``RLIMIT_AS`` in MiB per process; with a cgroup per run, all its processes together (plus its
+            run directory's files) get ``memory_mb + max_disk_mb``.
         max_output_bytes: per stream; the run is killed once either stream reaches it.
-        max_procs: ``RLIMIT_NPROC`` (effective with a private uid, i.e. in ``root`` isolation).
+        max_procs: ``RLIMIT_NPROC`` (effective with a private uid, i.e. in ``root`` isolation); with a cgroup per
+            run, also its tasks (processes and threads) together.
         max_file_mb: ``RLIMIT_FSIZE`` in MiB.
         max_disk_mb: size of the run directory's tmpfs (all files together; kernel isolation modes only).
         guard: install the audit-hook guard (disable only to test the OS-level layer).
@@ -676,6 +783,8 @@ class FunctionSession:
         self.max_message_bytes = max_message_bytes
         self.load_error: str | None = None
         self.starts = 0
+        self._uid: int | None = None  # root mode: this session's uid, kept across restarts
+        self._owns_uid = True  # False when :func:`function_sessions` took it (and gives it back)
         self._child: _Child | None = None
         self._pump: _Pump | None = None
         self._ready = False
@@ -692,7 +801,9 @@ class FunctionSession:
         """Start the process now without waiting for it to load (so several sessions start concurrently)."""
         if self._child is None and self.load_error is None:
             self.starts += 1
-            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True)
+            if self._uid is None and _isolation().kind == "root":
+                self._uid = _uid_pool().acquire()[0]
+            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True, uid=self._uid)
             self._pump = _Pump(self._child, self.limits.max_output_bytes)
             self._ready = False
 
@@ -773,12 +884,39 @@ class FunctionSession:
     def close(self) -> None:
         """End the process (EOF on its requests, then a kill if it lingers) and clean up."""
         self._stop(grace_s=0.2)
+        if self._uid is not None and self._owns_uid:
+            _uid_pool().release([self._uid])
+            self._uid = None
 
     def __enter__(self) -> FunctionSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def function_sessions(programs: Sequence[str], **kwargs: Any) -> Iterator[list[FunctionSession]]:
+    """:class:`FunctionSession` s for ``programs`` (a candidate and its checker) whose private uids (root mode) are
+    taken in one step and kept until the block ends, so that any number of scoring threads can share the uid pool
+    without deadlock. ``kwargs`` go to every session.
+
+    Yields:
+        One session per program, in order; all are closed when the block ends.
+    """
+    iso = _isolation()
+    uids: list[int | None] = list(_uid_pool().acquire(len(programs))) if iso.kind == "root" and programs else \
+        [None] * len(programs)
+    sessions = [FunctionSession(program, **kwargs) for program in programs]
+    for session, uid in zip(sessions, uids):
+        session._uid, session._owns_uid = uid, False
+    try:
+        yield sessions
+    finally:
+        for session in sessions:
+            session.close()
+        if iso.kind == "root" and programs:
+            _uid_pool().release([u for u in uids if u is not None])
 
 
 def _decode(data: bytes) -> Any:

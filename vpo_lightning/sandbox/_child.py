@@ -5,9 +5,10 @@ Never imported by the trainer to run anything: the parent copies this file and :
 so nothing of the parent's state reaches the child. Arguments (``sys.argv[1:]``): mode (``run`` | ``serve``),
 result fd, cpu_s, mem_mb, nproc, fsize_mb, nofile, guard (``1`` | ``0``).
 
-The guard is defence in depth only (the kernel isolation set up by the parent is what holds): everything it uses
-is bound in closures when it is installed, so a candidate rebinding module globals or builtins cannot switch it
-off, and it sees the path strings the operation will use.
+The guard is a second layer only (the kernel isolation and seccomp filter set up by the parent are what hold):
+everything it uses is bound in closures when it is installed, so rebinding module globals or builtins does not
+switch it off, and it sees the path strings the operation will use; a candidate can still rewrite its closure cells
+(found through ``gc``), which the attack tests do before checking the kernel layers.
 """
 
 from __future__ import annotations

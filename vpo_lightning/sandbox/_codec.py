@@ -45,7 +45,7 @@ class _Decoder:
 
     def check(self, items: Any) -> None:
         for item in items:
-            if type(item) in (int, float, complex, tuple):
+            if type(item) in (int, float, complex, tuple, frozenset):
                 same = self.hashes.setdefault(hash(item) & 0xFFFFFFFFFFFFFFFF, set())
                 if len(same) >= MAX_SHARED_HASH and item not in same:
                     raise ValueError("too many distinct values with one hash")

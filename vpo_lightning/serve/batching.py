@@ -10,6 +10,7 @@ and is counted in ``stats["errors"]``; the worker keeps serving.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -23,6 +24,9 @@ import torch
 from vpo_lightning.serve.protocol import APIError, SamplingKey
 
 log = logging.getLogger(__name__)
+
+
+SMALL_PROMPT_CHARS = 16_384  # prompts up to this many characters use the shared tokenizer (a few ms each)
 
 
 @dataclass
@@ -95,6 +99,11 @@ class BatchGenerator:
         self._recent_rows, self._last_generate_s = 1, 0.0
         self.eos = eos_token_ids(model, tokenizer)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to use from several threads at once
+        # Prompts longer than SMALL_PROMPT_CHARS are tokenized by a second copy under its own lock (the fast
+        # tokenizer releases the GIL while it encodes), so a flood of long prompts queues behind itself while short
+        # requests and the worker's decoding keep the first copy: a 1 MB prompt took the shared lock for ~2.5 s.
+        self.long_tokenizer = copy.deepcopy(tokenizer)
+        self.long_tokenizer_lock = threading.Lock()
         self._pending: list[Job] = []
         self._cond = threading.Condition()
         self._stop = False

@@ -26,12 +26,15 @@ strings are checked per sequence while generating. Requests with other parameter
 Limits: request bodies over ``--max-request-bytes`` get 413, more than ``--max-concurrency`` requests in flight get
 429 (OpenAI clients retry those), ``n`` above ``--max-n`` and ``max_tokens`` above ``--max-tokens-limit`` or past
 the model's context get 400, and so does every malformed body (wrong types, nesting deeper than 64, integers of more
-than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.protocol`). Errors
-use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``GET /stats`` counts 4xx and 5xx answers
-apart. At most ``--max-connections`` connections are open; when all are taken, the one idle the longest (waiting
-for its next request or still sending one) is closed to make room, so idle or slow clients cannot lock others out;
-a connection silent for ``--idle-timeout`` seconds is closed. The server binds 127.0.0.1 by default and has no
-authentication unless ``--api-key`` is given.
+than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.protocol`; the body is
+checked in linear time). Messages longer than the context could hold (context x the longest token's characters) get
+400 before any tokenization; prompts over 16k characters are tokenized by a second tokenizer copy, so long prompts
+wait for each other, never short ones. Errors use OpenAI's shape: ``{"error": {"message", "type", "param",
+"code"}}``; ``GET /stats`` counts 4xx and 5xx answers apart, and clients that hang up before their answer is sent
+as ``client_disconnects`` (not errors). At most ``--max-connections`` connections are open; when all are taken, the
+one idle the longest (waiting for its next request or still sending one) is closed to make room, so idle or slow
+clients cannot lock others out; a connection silent for ``--idle-timeout`` seconds is closed. The server binds
+127.0.0.1 by default and has no authentication unless ``--api-key`` is given.
 
 Why the standard library's HTTP server and not FastAPI/uvicorn or LitServe (decided when splitting serve.py): the
 part that needs care, batching keyed by sampling parameters with n choices, seeds, adapter on/off and stop strings,
@@ -63,7 +66,7 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.serve.batching import BatchGenerator, Choice, Job
+from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job
 from vpo_lightning.serve.protocol import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
 from vpo_lightning.tools import parse_args, report_error
 
@@ -92,6 +95,9 @@ class OpenAIServer(ThreadingHTTPServer):
                  context_length: int, address: tuple[str, int] = ("127.0.0.1", 8000)) -> None:
         self.generator, self.models, self.settings = generator, dict(models), settings
         self.context_length = context_length
+        # the longest token's text bounds the characters per token, so longer messages cannot fit the context
+        self.max_token_chars = max((len(t) for t in generator.tokenizer.get_vocab()), default=1) or 1
+        self.max_prompt_chars = context_length * self.max_token_chars
         self.default_model = next((m for m, adapter in models.items() if adapter), next(iter(models)))
         self.created = int(time.time())
         self._in_flight = 0
@@ -100,7 +106,7 @@ class OpenAIServer(ThreadingHTTPServer):
         self._serve_thread: threading.Thread | None = None
         self._open: dict[Any, threading.Thread] = {}  # connection socket -> its handler thread
         self._idle: dict[Any, float] = {}  # connection socket -> since when it waits for (or sends) a request
-        self.http_stats = {"http_4xx": 0, "http_5xx": 0, "connections_evicted": 0}
+        self.http_stats = {"http_4xx": 0, "http_5xx": 0, "connections_evicted": 0, "client_disconnects": 0}
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -143,6 +149,10 @@ class OpenAIServer(ThreadingHTTPServer):
         with self._lock:
             return {**self.generator.stats, "in_flight": self._in_flight, **self.http_stats,
                     "connections_open": len(self._open)}
+
+    def count_disconnect(self) -> None:
+        with self._lock:
+            self.http_stats["client_disconnects"] += 1
 
     def count_status(self, status: int) -> None:
         if status >= 400:
@@ -229,9 +239,17 @@ class OpenAIServer(ThreadingHTTPServer):
         from vpo_lightning.models import prompt_token_ids
 
         request = parse_chat_request(body, self.settings, self.models, self.default_model)
-        with self.generator.tokenizer_lock:
+        chars = sum(len(m["content"]) for m in request.messages)
+        if chars > self.max_prompt_chars:  # certainly past the context: refused before any tokenization
+            raise bad_request(f"This model's maximum context length is {self.context_length} tokens and the "
+                              f"messages hold {chars} characters (no token is longer than {self.max_token_chars}, "
+                              f"so at most {self.max_prompt_chars} characters can fit). Please reduce the length of "
+                              "the messages.", "messages", "context_length_exceeded")
+        gen = self.generator
+        small = chars <= SMALL_PROMPT_CHARS
+        with gen.tokenizer_lock if small else gen.long_tokenizer_lock:
             try:
-                prompt = prompt_token_ids(self.generator.tokenizer, request.messages)
+                prompt = prompt_token_ids(gen.tokenizer if small else gen.long_tokenizer, request.messages)
             except Exception as err:  # noqa: BLE001 - a chat template may reject a message order
                 raise bad_request(f"cannot render the messages with the chat template: {err}", "messages") from None
         max_tokens = request.key.max_tokens
@@ -308,17 +326,26 @@ class Handler(BaseHTTPRequestHandler):
         self._error(APIError(code, f"{text}{f': {explain}' if explain else ''}", type=kind))
 
     def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        self.server.count_status(status)
         data = json.dumps(payload).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except (ConnectionError, TimeoutError) as err:  # the client hung up: not an error of this server
+            self._client_gone(err)
+            return
+        self.server.count_status(status)
+
+    def _client_gone(self, err: BaseException) -> None:
+        self.close_connection = True
+        self.server.count_disconnect()
+        log.debug("client %s went away: %s", self.client_address, err)
 
     def _error(self, err: APIError, headers: dict[str, str] | None = None) -> None:
         self._send(err.status, err.body(), headers)
@@ -383,6 +410,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, self.server.complete(body))
         except APIError as err:
             self._error(err)
+        except (ConnectionError, TimeoutError) as err:  # hung up while sending its request
+            self._client_gone(err)
         except Exception as err:  # noqa: BLE001 - report, keep serving
             log.exception("request failed")
             self._error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
@@ -427,7 +456,10 @@ class Handler(BaseHTTPRequestHandler):
             self._discard_body()
             raise APIError(413, f"request body of {size} bytes exceeds the limit of "
                                 f"{self.server.settings.max_request_bytes} bytes", code="request_too_large")
-        return decode_json(self.rfile.read(size))
+        raw = self.rfile.read(size)
+        if len(raw) < size:
+            raise ConnectionAbortedError(f"the client closed the connection after {len(raw)} of {size} body bytes")
+        return decode_json(raw)
 
     def do_PUT(self) -> None:  # noqa: N802
         self._route_error("PUT")

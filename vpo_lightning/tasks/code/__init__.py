@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.sandbox import FunctionSession, SandboxCallError
+from vpo_lightning.sandbox import SandboxCallError, function_sessions
 
 NUM_TEST_DIMS = 16
 TASK = "code"
@@ -283,13 +283,38 @@ def run_tests(
     if program is None or not tests:
         return [False] * len(tests)
     checker_src = checker_program(ground_truth["prompt"], ground_truth.get("preamble", ""))
-    call_head = b"[" + json.dumps(str(ground_truth["entry_point"])).encode() + b","
+    checks = [("__vpo_run_test__", [i, test]) for i, test in enumerate(tests)]
+    return run_checked(program, checker_src, str(ground_truth["entry_point"]), checks,
+                       test_timeout_s=test_timeout_s, total_timeout_s=total_timeout_s, memory_mb=memory_mb)
+
+
+def run_checked(program: str, checker_src: str, call_name: str, checks: Sequence[tuple[str, list] | None], *,
+                test_timeout_s: float, total_timeout_s: float, memory_mb: int = 512) -> list[bool]:
+    """The verdicts of ``checks`` run in a checker sandbox against a candidate's program in another sandbox.
+
+    Each check is ``(checker function, arguments)``: the checker runs it, and its ``__vpo_call__(args, kwargs)``
+    calls ``call_name(*args, **kwargs)`` in the candidate's process; the trainer relays those frames as undecoded
+    bytes and reads the verdict by comparing bytes with ``["ok",true]``, so nothing either process sends is decoded
+    here. A check given as None fails without running.
+
+    Args:
+        program: the candidate's program (its top level runs once per process).
+        checker_src: the checker's program (trusted data: the problem's tests and the comparison).
+        call_name: the candidate's function the checker calls.
+        checks: per test, the checker function and its (plain-data) arguments, or None.
+        test_timeout_s: wall-clock seconds per check (all its calls together).
+        total_timeout_s: wall-clock seconds for all checks; later ones fail.
+        memory_mb: address-space limit of each sandboxed process.
+
+    Returns:
+        One bool per check, in order.
+    """
+    call_head = b"[" + json.dumps(call_name).encode() + b","
     end = time.monotonic() + total_timeout_s
     deadline = [0.0]
     passed: list[bool] = []
     cpu_s = int(total_timeout_s) + 2
-    with FunctionSession(program, cpu_s=cpu_s, memory_mb=memory_mb) as session, \
-            FunctionSession(checker_src, cpu_s=cpu_s, memory_mb=memory_mb) as checker:
+    with function_sessions([program, checker_src], cpu_s=cpu_s, memory_mb=memory_mb) as (session, checker):
 
         def relay(frame: bytes) -> bytes:  # frame: b'["cb",args,kwargs]' from the checker
             if time.monotonic() >= deadline[0]:
@@ -301,17 +326,19 @@ def run_tests(
 
         checker.prestart()  # both processes start side by side
         session.prestart()
-        for i, test in enumerate(tests):
+        for check in checks:
+            if check is None:
+                passed.append(False)
+                continue
             deadline[0] = min(time.monotonic() + test_timeout_s, end)
             try:  # the checker gets a little longer than the candidate, so a candidate timeout fails only the test
-                verdict = checker.call_raw("__vpo_run_test__", [i, test], deadline=deadline[0] + 0.5,
-                                           on_callback=relay)
+                verdict = checker.call_raw(check[0], check[1], deadline=deadline[0] + 0.5, on_callback=relay)
             except SandboxCallError:
                 verdict = b""
             passed.append(verdict == _PASS)
             if session.load_error is not None or checker.load_error is not None or time.monotonic() >= end:
                 break
-    return passed + [False] * (len(tests) - len(passed))
+    return passed + [False] * (len(checks) - len(passed))
 
 
 def num_tests(sample: Mapping[str, Any], cap: int = NUM_TEST_DIMS) -> int:
@@ -351,6 +378,6 @@ def canonical_candidate(problem: Mapping[str, Any]) -> str:
 
 __all__ = [
     "NUM_TEST_DIMS", "SandboxCallError", "build_program", "canonical_candidate", "code_tests_reward",
-    "extract_code", "humaneval_path", "load_humaneval", "make_record", "num_tests", "run_tests",
+    "extract_code", "humaneval_path", "load_humaneval", "make_record", "num_tests", "run_checked", "run_tests",
     "score_candidates", "split_tests",
 ]

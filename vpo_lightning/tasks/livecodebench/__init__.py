@@ -20,9 +20,11 @@ of that name. All public and private tests are pooled and the :data:`NUM_TEST_DI
 ``len(input) + len(output)``, ties in file order).
 
 Running. Candidates run only in the sandbox (:mod:`vpo_lightning.sandbox`): a stdin test is one
-:func:`~vpo_lightning.sandbox.run_python` run with a :data:`TIME_LIMIT_S` (6 s) wall clock; function-call tests share
-one :class:`~vpo_lightning.sandbox.FunctionSession` per candidate, 6 s per call, and the comparison with the
-expected value happens in the reward process, on plain data. Every program gets :data:`PREAMBLE` (``from typing
+:func:`~vpo_lightning.sandbox.run_python` run with a :data:`TIME_LIMIT_S` (6 s) wall clock, its captured stdout
+(capped) compared as text here; function-call tests share one sandboxed process per candidate, 6 s per call, and are
+compared with the expected value in a second sandbox, the checker (:func:`vpo_lightning.tasks.code.run_checked`, as
+the code task does): the trainer relays the answer as bytes and reads only the verdict, so no answer is ever decoded
+into Python objects in the trainer. Every program gets :data:`PREAMBLE` (``from typing
 import *`` and common standard modules) first, as LiveCodeBench's own runner does. Once
 :data:`TOTAL_TIMEOUT_S` is spent on a candidate, its remaining tests fail.
 
@@ -33,6 +35,7 @@ batch the dimensions past t are padding that the registry masks (``real_dims``, 
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import json
 import pickle
@@ -44,8 +47,8 @@ from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from vpo_lightning.sandbox import FunctionSession, SandboxCallError, run_python
-from vpo_lightning.tasks.code import extract_code, num_tests
+from vpo_lightning.sandbox import run_python
+from vpo_lightning.tasks.code import extract_code, num_tests, run_checked
 
 TASK = "livecodebench"
 NUM_TEST_DIMS = 16
@@ -302,27 +305,37 @@ def _stdin_tests(program: str, tests: Sequence[Mapping[str, str]], limit: float,
     return passed
 
 
-def _functional_tests(program: str, tests: Sequence[Mapping[str, str]], limit: float, end: float,
-                      total_s: float) -> list[bool]:
-    passed: list[bool] = []
-    with FunctionSession(program, cpu_s=int(total_s) + 2, memory_mb=MEMORY_MB) as session:
-        for test in tests:
-            if time.monotonic() >= end:
-                break
-            try:  # trusted data from the record: JSON arguments, one per line, and the expected JSON value
-                args = [json.loads(line) for line in test["input"].split("\n") if line.strip()]
-                expected = json.loads(test["output"])
-            except json.JSONDecodeError:
-                passed.append(False)
-                continue
-            try:
-                got = session.call(_CALL, args, deadline=min(time.monotonic() + limit, end))
-                passed.append(values_match(got, expected))
-            except (SandboxCallError, TypeError):
-                passed.append(False)
-            if session.load_error is not None:
-                break
-    return passed
+# The checker of function-call problems: the comparison below, run in its own sandbox. Its ``__vpo_call__`` relays
+# (as undecoded bytes, through the trainer) to the candidate's ``__vpo_lcb_call__``; the answer is decoded and
+# compared here, so a crafted answer (a set of hash-colliding frozensets: ~30 s to decode) stalls only this process,
+# which its deadline kills.
+_CHECKER_RUNNER = """
+
+def __vpo_lcb_check__(args, expected):
+    try:
+        got = __vpo_call__(args, {})
+    except Exception:
+        return False
+    return values_match(got, expected)
+"""
+
+
+def checker_program() -> str:
+    """The checker's source: :func:`values_match` (with its helper) and the check the trainer asks for per test."""
+    return ("from __future__ import annotations\nfrom typing import Any\n\n\n" + inspect.getsource(_plain) + "\n\n"
+            + inspect.getsource(values_match) + _CHECKER_RUNNER)
+
+
+def _functional_tests(program: str, tests: Sequence[Mapping[str, str]], limit: float, total_s: float) -> list[bool]:
+    checks: list[tuple[str, list] | None] = []
+    for test in tests:
+        try:  # trusted data from the record: JSON arguments, one per line, and the expected JSON value
+            args = [json.loads(line) for line in test["input"].split("\n") if line.strip()]
+            checks.append(("__vpo_lcb_check__", [args, json.loads(test["output"])]))
+        except json.JSONDecodeError:
+            checks.append(None)
+    return run_checked(program, checker_program(), _CALL, checks, test_timeout_s=limit, total_timeout_s=total_s,
+                       memory_mb=MEMORY_MB)
 
 
 def run_tests(candidate: str, ground_truth: Mapping[str, Any], *, total_timeout_s: float = TOTAL_TIMEOUT_S
@@ -336,7 +349,7 @@ def run_tests(candidate: str, ground_truth: Mapping[str, Any], *, total_timeout_
     limit = float(ground_truth.get("time_limit_s", TIME_LIMIT_S))
     end = time.monotonic() + total_timeout_s
     if testtype == "functional":
-        passed = _functional_tests(program, tests, limit, end, total_timeout_s)
+        passed = _functional_tests(program, tests, limit, total_timeout_s)
     else:
         passed = _stdin_tests(program, tests, limit, end)
     return passed + [False] * (len(tests) - len(passed))

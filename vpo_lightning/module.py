@@ -295,8 +295,8 @@ class VPOModule(L.LightningModule):
         return totals
 
     def _optimizer_step(self, last: bool = True) -> tuple[bool, float]:
-        """Clip and step; only the rollout's ``last`` update advances ``trainer.global_step`` (the others step the
-        same optimizer through the strategy, skipping the step counter)."""
+        """Clip and step; only the rollout's ``last`` update advances ``trainer.global_step`` and the learning-rate
+        schedule (the others step the same optimizer through the strategy, skipping the step counter)."""
         opt, sched = self.optimizers(), self.lr_schedulers()
         params = [p for p in self.policy.parameters() if p.requires_grad]
         max_norm = self.optim_settings.max_grad_norm or float("inf")
@@ -310,7 +310,8 @@ class VPOModule(L.LightningModule):
             self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure, self)
         pause_point("optimizer_step", lambda: self.global_step - 1)  # kill tests: weights updated, scheduler not
         opt.zero_grad(set_to_none=True)
-        sched.step()
+        if last:  # the schedule (warmup) counts rollouts, like max_steps and global_step, not updates
+            sched.step()
         return True, norm
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

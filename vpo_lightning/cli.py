@@ -178,7 +178,7 @@ def main(args: list[str] | None = None) -> Any:
         from vpo_lightning.sft.cli import main as sft_main
 
         return sft_main(list(argv[1:]))
-    if argv and argv[0] in ("eval", "compare", "plan", "serve", "search"):
+    if argv and argv[0] in ("eval", "compare", "plan", "serve", "search", "export"):
         from vpo_lightning import tools
 
         return tools.main(argv)

@@ -19,7 +19,6 @@ import yaml
 
 from vpo_lightning import runs
 from vpo_lightning.cli import main as vpo
-from vpo_lightning.export import base_model_id, write_adapter_folder
 from vpo_lightning.models import LoraSettings, ModelSettings, load_policy, resolve_model_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,7 +28,8 @@ IDS = torch.tensor([[1, 17, 230, 4011, 9, 77, 512, 3]])
 
 
 def _fit(*extra: str) -> None:
-    vpo(["fit", "--config", str(REPO / "configs/debug.yaml"), f"--data.train_files=[{DATA}]", *extra])
+    vpo(["fit", "--config", str(REPO / "configs/debug.yaml"), f"--data.train_files=[{DATA}]",
+         f"--data.val_files=[{DATA}]", *extra])
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -80,7 +80,7 @@ def two_stage(tmp_path_factory, tiny_model_dir) -> Path:
     try:
         vpo(["sft", "--config", "sft.yaml"])
         _fit("--run_name=rl", "--model.model.adapter=checkpoints/sft/adapters/last", "--model.model.lora.r=2",
-             "--model.model.lora.alpha=8", "--model.optim.lr=5e-2", "--data.val_files=null")
+             "--model.model.lora.alpha=8", "--model.optim.lr=5e-2")
     finally:
         os.chdir(old)
     return cwd
@@ -128,6 +128,7 @@ def test_stacking_is_exact_with_other_targets_ranks_and_rslora(tmp_path, tiny_mo
     """Stage 1 rsLoRA on q/v (r 4, alpha 16: scale 8), stage 2 all-linear (r 2, alpha 8: scale 4), both B random."""
     from peft import LoraConfig, get_peft_model
 
+    from vpo_lightning.export import write_adapter_folder
     from vpo_lightning.models import load_base_model
 
     first = get_peft_model(load_base_model(ModelSettings(name="tiny-llama", dtype="fp32")),
@@ -157,6 +158,8 @@ def test_stacking_is_exact_with_other_targets_ranks_and_rslora(tmp_path, tiny_mo
 
 
 def test_base_model_id_names_the_hub_id_of_aliases_and_local_paths(tmp_path, tiny_model_dir):
+    from vpo_lightning.export import base_model_id
+
     assert base_model_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert base_model_id("tiny-llama") == str(tiny_model_dir)
     assert base_model_id("Qwen/Qwen2.5-7B-Instruct") == "Qwen/Qwen2.5-7B-Instruct"
@@ -193,7 +196,7 @@ def test_push_to_hub_up_to_the_network_call(two_stage, tmp_path, monkeypatch):
     assert calls[0] == ("create", "me/tiny-merged", {"repo_type": "model", "private": True, "exist_ok": True})
     assert calls[1][1]["folder_path"] == str(tmp_path / "m") and calls[1][1]["repo_id"] == "me/tiny-merged"
     monkeypatch.chdir(tmp_path)
-    _fit("--data.val_files=null", "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny-adapter")
+    _fit("--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny-adapter")
     assert Path(calls[-1][1]["folder_path"]) == (tmp_path / "checkpoints/debug/adapters/last")
     assert calls[-1][1]["repo_id"] == "me/tiny-adapter"
     with pytest.raises(SystemExit, match="2"):
@@ -204,9 +207,8 @@ def test_push_to_hub_up_to_the_network_call(two_stage, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- run folders
 def test_rerun_of_a_saved_config_under_a_new_name_leaves_the_old_folder_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _fit("--run_name=A", "--data.val_files=null")
-    before = _snapshot(tmp_path / "checkpoints" / "A")
-    _fit("--run_name=A", "--trainer.max_steps=3", "--ckpt_path=last", "--data.val_files=null")  # a resume
+    _fit("--run_name=A")
+    _fit("--run_name=A", "--trainer.max_steps=3", "--ckpt_path=last")  # a resume
     saved = yaml.safe_load((tmp_path / "checkpoints" / "A" / "config.yaml").read_text())
     assert saved["ckpt_path"] is None and saved["checkpoint"]["dirpath"] is None and saved["overwrite"] is False
     assert saved["trainer"]["default_root_dir"] is None and saved["trainer"]["logger"]["init_args"]["name"] == ""
@@ -220,13 +222,13 @@ def test_rerun_of_a_saved_config_under_a_new_name_leaves_the_old_folder_alone(tm
 
 def test_a_non_empty_run_folder_is_refused_unless_resuming_or_overwriting(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    _fit("--data.val_files=null")
+    _fit()
     run = tmp_path / "checkpoints" / "debug"
     before = _snapshot(run)
     with pytest.raises(SystemExit) as err:
-        _fit("--data.val_files=null")
+        _fit()
     assert err.value.code == 2 and "--ckpt_path last" in capsys.readouterr().err and _snapshot(run) == before
-    _fit("--data.val_files=null", "--overwrite=true", "--trainer.max_steps=1")
+    _fit("--overwrite=true", "--trainer.max_steps=1")
     assert len(list(run.glob("events.out.tfevents.*"))) == 1  # replaced whole: no stale event files
     assert not (run / "step=2.ckpt").exists() and (run / "step=1.ckpt").is_file()
     assert not list((tmp_path / "checkpoints").glob(".*"))  # the replaced run is gone after the first step
@@ -237,7 +239,7 @@ def test_a_run_failing_before_its_first_step_leaves_nothing_behind(tmp_path, mon
     with pytest.raises(SystemExit):
         _fit("--data.train_files=[missing.jsonl]")
     assert not (tmp_path / "checkpoints").exists()
-    _fit("--data.val_files=null")
+    _fit()
     before = _snapshot(tmp_path / "checkpoints" / "debug")
     with pytest.raises(SystemExit):  # an --overwrite that fails gives the replaced run back
         _fit("--overwrite=true", "--data.train_files=[missing.jsonl]")
@@ -247,7 +249,7 @@ def test_a_run_failing_before_its_first_step_leaves_nothing_behind(tmp_path, mon
 
 def test_validate_never_writes_the_run_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _fit(f"--data.val_files=[{DATA}]")
+    _fit()
     config = tmp_path / "checkpoints" / "debug" / "config.yaml"
     before = config.read_bytes()
     vpo(["validate", "--config", str(config), "--ckpt_path", "last"])

@@ -122,8 +122,10 @@ def claim(path: Path, ckpt_path: str | None, overwrite: bool) -> RunFolder:
         return RunFolder(path, created=not held)
     if not overwrite:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-        raise ValueError(f"{path} already holds a run ({shown}). Resume it with --ckpt_path last, start a separate "
-                         f"run with --run_name NAME, or replace it with --overwrite")
+        resume = ("Resume it with --ckpt_path last, start" if "last.ckpt" in held else
+                  "It has no last.ckpt to resume (killed before its first checkpoint?): start")
+        raise ValueError(f"{path} already holds a run ({shown}). {resume} a separate run with --run_name NAME, or "
+                         "replace it with --overwrite=true")
     aside = path.with_name(f".{path.name}.replaced")
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(path, aside)

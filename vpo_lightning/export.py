@@ -159,13 +159,18 @@ def save_policy_adapter(policy: Any, out: Path, start_adapter: str | None = None
 
 
 # ---- the adapter folder -----------------------------------------------------------------------------------------
-def save_tokenizer(model_name: str, out: Path) -> None:
-    """The base's tokenizer as shipped (chat template included), so ``AutoTokenizer.from_pretrained(out)`` works."""
+@functools.lru_cache(maxsize=2)
+def _shipped_tokenizer(model_name: str) -> Any:
     from transformers import AutoTokenizer
 
     from vpo_lightning.models import resolve_model_path
 
-    AutoTokenizer.from_pretrained(resolve_model_path(model_name)).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(resolve_model_path(model_name))
+
+
+def save_tokenizer(model_name: str, out: Path) -> None:
+    """The base's tokenizer as shipped (chat template included), so ``AutoTokenizer.from_pretrained(out)`` works."""
+    _shipped_tokenizer(model_name).save_pretrained(out)
 
 
 def write_adapter_folder(policy: Any, out_dir: str | Path, settings: Any, facts: dict[str, Any] | None = None) -> Path:

@@ -106,7 +106,7 @@ if has_part rl; then
   run="$PREFIX-from-sft"
   echo "=== rl: $CHAIN_CONFIG from $ADAPTER, $RL_STEPS steps -> checkpoints/$run"
   timed rl "$run" "$PY" -m vpo_lightning.cli fit --config "$CHAIN_CONFIG" --run_name="$run" \
-    --model.model.adapter="$ADAPTER" --trainer.max_steps="$RL_STEPS" --overwrite=true "${FIT_EXTRA[@]}"
+    --model.model.adapter="$ADAPTER" --trainer.max_steps="$RL_STEPS" --overwrite "${FIT_EXTRA[@]}"
   "$PY" benchmarks/run_summary.py "checkpoints/$run" | tee "$OUT/rl_summary.md"
 fi
 echo "=== wall times and peak RSS: $TIMES"

@@ -228,7 +228,7 @@ def test_a_non_empty_run_folder_is_refused_unless_resuming_or_overwriting(tmp_pa
     with pytest.raises(SystemExit) as err:
         _fit()
     assert err.value.code == 2 and "--ckpt_path last" in capsys.readouterr().err and _snapshot(run) == before
-    _fit("--overwrite=true", "--trainer.max_steps=1")
+    _fit("--overwrite", "--trainer.max_steps=1")
     assert len(list(run.glob("events.out.tfevents.*"))) == 1  # replaced whole: no stale event files
     assert not (run / "step=2.ckpt").exists() and (run / "step=1.ckpt").is_file()
     assert not list((tmp_path / "checkpoints").glob(".*"))  # the replaced run is gone after the first step
@@ -242,7 +242,7 @@ def test_a_run_failing_before_its_first_step_leaves_nothing_behind(tmp_path, mon
     _fit()
     before = _snapshot(tmp_path / "checkpoints" / "debug")
     with pytest.raises(SystemExit):  # an --overwrite that fails gives the replaced run back
-        _fit("--overwrite=true", "--data.train_files=[missing.jsonl]")
+        _fit("--overwrite", "--data.train_files=[missing.jsonl]")
     assert _snapshot(tmp_path / "checkpoints" / "debug") == before
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["debug"]
 

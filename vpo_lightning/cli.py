@@ -23,6 +23,7 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import ActionYesNo
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -77,7 +78,7 @@ class VPOCLI(LightningCLI):
     def add_run_arguments(parser: LightningArgumentParser, default_name: str) -> None:
         """``--run_name`` and ``--overwrite`` (shared with `vpo sft`)."""
         parser.add_argument("--run_name", type=str, default=default_name, help="outputs go to checkpoints/<run_name>/")
-        parser.add_argument("--overwrite", type=bool, default=False,
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
                             help="replace a non-empty checkpoints/<run_name>/ (else refused unless resuming)")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -125,7 +125,7 @@ def claim(path: Path, ckpt_path: str | None, overwrite: bool) -> RunFolder:
         resume = ("Resume it with --ckpt_path last, start" if "last.ckpt" in held else
                   "It has no last.ckpt to resume (killed before its first checkpoint?): start")
         raise ValueError(f"{path} already holds a run ({shown}). {resume} a separate run with --run_name NAME, or "
-                         "replace it with --overwrite=true")
+                         "replace it with --overwrite")
     aside = path.with_name(f".{path.name}.replaced")
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(path, aside)

@@ -180,6 +180,14 @@ def test_vpo_export_writes_merged_weights(two_stage, tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         vpo(["export", "--adapter", str(adapter), "--out", str(out)])
     assert err.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    old = os.getcwd()
+    os.chdir(two_stage)  # the run's config.yaml names the SFT adapter relative to it
+    try:  # from the Lightning checkpoint: the same policy
+        vpo(["export", "--ckpt", "checkpoints/rl/last.ckpt", "--out", str(tmp_path / "from_ckpt")])
+    finally:
+        os.chdir(old)
+    from_ckpt = AutoModelForCausalLM.from_pretrained(tmp_path / "from_ckpt", dtype=torch.float32)
+    torch.testing.assert_close(_logits(from_ckpt), _logits(merged), atol=1e-5, rtol=0)
 
 
 def test_push_to_hub_up_to_the_network_call(two_stage, tmp_path, monkeypatch):

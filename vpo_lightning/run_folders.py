@@ -55,8 +55,8 @@ class RunConfigSaver(SaveConfigCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.already_saved or stage != "fit":  # validate/test read a run; they never rewrite its config
             return
+        log_dir = Path(trainer.log_dir or ".")  # a collective under DDP: every rank asks
         if trainer.is_global_zero:
-            log_dir = Path(trainer.log_dir or ".")
             log_dir.mkdir(parents=True, exist_ok=True)
             tmp = log_dir / f".{self.config_filename}.tmp"
             self.parser.save(stored_config(self.config, self.output_root), str(tmp), skip_none=False,

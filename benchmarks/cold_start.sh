@@ -91,7 +91,7 @@ if has_part eval; then
       [[ $who == sft ]] && weights=(--set "model.model.adapter=$ADAPTER")
       echo "=== eval $who $fmt: $config, $PROMPTS validation prompts x $n answers -> $dir"
       timed eval "$who-$fmt" "$PY" -m vpo_lightning.cli eval --config "$config" --split val --n "$n" \
-        --max_prompts "$PROMPTS" --label "$who $fmt" --out "$dir" "${weights[@]}" "${EVAL_EXTRA[@]}"
+        --max_prompts "$PROMPTS" --label "$who $fmt" --out "$dir" --overwrite "${weights[@]}" "${EVAL_EXTRA[@]}"
     done
   done
 fi
@@ -106,7 +106,7 @@ if has_part rl; then
   run="$PREFIX-from-sft"
   echo "=== rl: $CHAIN_CONFIG from $ADAPTER, $RL_STEPS steps -> checkpoints/$run"
   timed rl "$run" "$PY" -m vpo_lightning.cli fit --config "$CHAIN_CONFIG" --run_name="$run" \
-    --model.model.adapter="$ADAPTER" --trainer.max_steps="$RL_STEPS" "${FIT_EXTRA[@]}"
+    --model.model.adapter="$ADAPTER" --trainer.max_steps="$RL_STEPS" --overwrite "${FIT_EXTRA[@]}"
   "$PY" benchmarks/run_summary.py "checkpoints/$run" | tee "$OUT/rl_summary.md"
 fi
 echo "=== wall times and peak RSS: $TIMES"

@@ -118,7 +118,7 @@ evaluate() {  # $1 = output name, $2 = label, $3 = eval seed, then `vpo eval` ar
   fi
   echo "=== eval $label (seed $seed) -> $EVAL_DIR/$name"
   vpo eval "$@" --n "$N" --max_prompts "$PROMPTS" --seed "$seed" --prompt_seed 0 --label "$label" \
-    --out "$EVAL_DIR/$name" "${EVAL_SET[@]}" "${EVAL_EXTRA[@]}"
+    --out "$EVAL_DIR/$name" --overwrite "${EVAL_SET[@]}" "${EVAL_EXTRA[@]}"
   printf 'eval\t%s\t%s\n' "$name" $((SECONDS - t0)) >> "$LOG"
 }
 

@@ -102,7 +102,7 @@ evaluate() {  # $1 = output name, $2 = label, then `vpo eval` arguments
   shift 2
   echo "=== eval $label -> $EVAL_DIR/$name"
   vpo eval "$@" --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 --label "$label" \
-    --out "$EVAL_DIR/$name" "${EVAL_SET[@]}" "${EVAL_EXTRA[@]}"
+    --out "$EVAL_DIR/$name" --overwrite "${EVAL_SET[@]}" "${EVAL_EXTRA[@]}"
   WALL[eval-$name]=$((SECONDS - t0))
 }
 

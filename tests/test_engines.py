@@ -85,6 +85,30 @@ def test_vllm_adapter_export_is_versioned_peft(tmp_path):
     PeftModel.from_pretrained(load_base_model(ModelSettings(name="tiny-llama", dtype="fp32")), str(second))
 
 
+def test_vllm_adapter_export_includes_the_starting_adapter(tmp_path):
+    """vLLM holds the raw base: after SFT -> RL, the adapter it gets must carry the SFT stage too (issue 39)."""
+    from peft import PeftModel
+
+    from vpo_lightning.models import load_base_model, load_policy
+
+    sft, _ = load_policy(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
+    with torch.no_grad():
+        for name, p in sft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    sft.save_pretrained(tmp_path / "sft")
+    settings = ModelSettings(name="tiny-llama", dtype="fp32", adapter=str(tmp_path / "sft"), lora=LoraSettings(r=2))
+    policy, _ = load_policy(settings)
+    module = SimpleNamespace(policy=policy, model_settings=settings)
+    out = VLLMEngine(adapter_dir=str(tmp_path / "vllm")).export_adapter(module)
+    served = PeftModel.from_pretrained(load_base_model(ModelSettings(name="tiny-llama", dtype="fp32")), str(out))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_lora_rank=4: raise it to at least 6"):
+        VLLMEngine(adapter_dir=str(tmp_path / "low"), max_lora_rank=4).export_adapter(module)
+
+
 def test_vllm_engine_without_vllm_says_how_to_fix():
     pytest.importorskip("torch")
     if torch.cuda.is_available():

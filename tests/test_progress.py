@@ -1,4 +1,4 @@
-"""What a run prints: Lightning's noise dropped, actionable lines kept, the earlier-run warning."""
+"""What a run prints: Lightning's noise dropped, actionable lines kept (earlier runs: tests/test_artifacts.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from vpo_lightning.progress import NoiseFilter, earlier_run_warning
+from vpo_lightning.progress import NoiseFilter
 
 
 def _record(message: str) -> logging.LogRecord:
@@ -28,15 +28,3 @@ def _record(message: str) -> logging.LogRecord:
 def test_noise_filter_drops_only_lines_without_an_action(message, kept):
     assert NoiseFilter().filter(_record(message)) is kept
 
-
-def test_earlier_run_warning(tmp_path):
-    assert earlier_run_warning(tmp_path, resuming=False) is None  # config.yaml alone is not an earlier run
-    (tmp_path / "config.yaml").write_text("x")
-    assert earlier_run_warning(tmp_path, resuming=False) is None
-    for name in ("last.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"):
-        (tmp_path / name).write_text("x")
-    msg = earlier_run_warning(tmp_path, resuming=False)
-    assert msg == (f"{tmp_path} already holds checkpoints of an earlier run (last.ckpt, step=1.ckpt, step=2.ckpt and "
-                   "1 more); this run overwrites them. Resume with --ckpt_path last, or start a separate run with "
-                   "--run_name NAME.")
-    assert earlier_run_warning(tmp_path, resuming=True) is None

@@ -2,7 +2,9 @@
 
 A checkpoint is written to a temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a kill at
 any moment leaves either the previous complete file or the new complete file. The adapter directory beside it is
-written the same way (temporary directory, then rename), and loads with ``PeftModel.from_pretrained`` and vLLM.
+written the same way (temporary directory, then rename) by :func:`vpo_lightning.export.write_adapter_folder`: it loads
+with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the
+starting adapter is stacked in), and it carries the tokenizer and a model card.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from weakref import proxy
 
 import lightning as L
@@ -36,30 +37,19 @@ def pause_point(point: str, step: int | Callable[[], int]) -> None:
     time.sleep(float(os.environ.get("VPO_TEST_PAUSE_S", "600")))
 
 
-def export_adapter(policy: Any, out_dir: str | Path) -> Path:
-    """Save a PEFT adapter to ``out_dir`` atomically (temp dir, then rename over the old one)."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
 class AdapterCheckpoint(ModelCheckpoint):
     """Lightning checkpoints (last, and every N steps) written atomically, plus the PEFT adapter beside each.
 
     Args:
-        dirpath: where checkpoints go (default: checkpoints/<run_name>/).
+        dirpath: ignored by `vpo fit` and `vpo sft`, which always write to checkpoints/<run_name>/ (and never store
+            this in config.yaml); accepted so that the config.yaml of older runs still loads.
         every_n_train_steps: save ``step=N.ckpt`` every this many optimizer steps.
         save_last: keep ``last.ckpt`` up to date (needed for ``--ckpt_path last``).
         save_top_k: how many ``step=N.ckpt`` files to keep (-1 = all).
         export_adapter: also export the adapter in PEFT format to ``adapters/<checkpoint name>/``.
+        push_to_hub: at the end of training, upload ``adapters/last`` to the Hugging Face hub (needs network and a
+            token: ``huggingface-cli login`` or ``HF_TOKEN``).
+        hub_model_id: the hub repo for ``push_to_hub``, ``<user or org>/<name>``.
     """
 
     def __init__(
@@ -69,6 +59,8 @@ class AdapterCheckpoint(ModelCheckpoint):
         save_last: bool = True,
         save_top_k: int = -1,
         export_adapter: bool = True,
+        push_to_hub: bool = False,
+        hub_model_id: str | None = None,
     ) -> None:
         super().__init__(
             dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False,
@@ -76,6 +68,13 @@ class AdapterCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.export = export_adapter
+        if push_to_hub and (not hub_model_id or hub_model_id.count("/") != 1):
+            raise ValueError(f"checkpoint.push_to_hub=true needs checkpoint.hub_model_id=<user or org>/<name>, "
+                             f"got {hub_model_id!r}")
+        if push_to_hub and not (export_adapter and save_last):
+            raise ValueError("checkpoint.push_to_hub=true uploads adapters/last: it needs checkpoint.export_adapter "
+                             "and checkpoint.save_last")
+        self.push_to_hub, self.hub_model_id = push_to_hub, hub_model_id
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Clean up after a run killed while writing: stray temp files, and an adapter caught mid-swap."""
@@ -104,13 +103,25 @@ class AdapterCheckpoint(ModelCheckpoint):
             os.replace(tmp, filepath)
             module = trainer.lightning_module
             if self.export and getattr(module, "uses_lora", False):
-                export_adapter(module.policy, Path(filepath).parent / "adapters" / Path(filepath).stem)
+                from vpo_lightning.export import run_facts, write_adapter_folder
+
+                run_dir = Path(filepath).parent
+                write_adapter_folder(module.policy, run_dir / "adapters" / Path(filepath).stem, module.model_settings,
+                                     run_facts(trainer, module, run_dir.name))
         trainer.strategy.barrier("adapter_checkpoint")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        adapter = Path(self.dirpath or "") / "adapters" / "last"
+        if self.push_to_hub and trainer.is_global_zero and adapter.is_dir():
+            from vpo_lightning.export import push_folder
+
+            push_folder(adapter, str(self.hub_model_id))
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         super()._remove_checkpoint(trainer, filepath)

@@ -3,6 +3,7 @@
     vpo fit --config configs/tooluse.yaml                   # train
     vpo fit --config configs/tooluse.yaml --rollout.group_size 4 --model.optim.lr 1e-4   # dotted overrides
     vpo fit --config configs/tooluse.yaml --ckpt_path last  # resume checkpoints/<run_name>/last.ckpt
+    vpo fit --config configs/tooluse.yaml --overwrite       # replace an earlier run of the same name
     vpo fit --help                                          # every argument, with its documentation
     vpo sft --config configs/tooluse_sft.yaml               # supervised cold start (vpo_lightning/sft/)
 
@@ -11,6 +12,8 @@ PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step
 its ``config.yaml`` (``--print_config`` prints the configuration and exits); warnings that need action are printed
 again after the run. The ``vpo`` console script is :mod:`vpo_lightning.launcher`, which lists the commands without
 importing this module.
+A non-empty run folder is refused unless resuming or ``--overwrite``; ``vpo validate`` logs to
+``<run>/validate/version_N`` (rules in run_folders.py).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import ActionYesNo
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vpo_lightning import config_check, launcher, progress
+from vpo_lightning import config_check, launcher, progress, run_folders
 from vpo_lightning.checkpointing import AdapterCheckpoint
 from vpo_lightning.datamodule import PromptDataModule
 from vpo_lightning.module import VPOModule
@@ -41,7 +45,7 @@ _QUIET = (  # Lightning warnings that do not apply to this app's design
     ".*IterableDataset. has .__len__. defined.*",  # one process, position-aware stream
     ".*litlogger.*",
     ".*is_gradient_checkpointing.*",
-    ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; see below
+    ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; run_folders.py
     ".*LeafSpec.* is deprecated.*",  # inside Lightning's pytree helper, nothing the user can change
     ".*resuming from a checkpoint that ended before the epoch ended.*",  # the datamodule resumes at its position
     ".*args parameter is intended to run from within Python.*",  # main() passes sys.argv on as args, on purpose
@@ -68,6 +72,19 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 class VPOCLI(LightningCLI):
     """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
 
+    run_folder: run_folders.RunFolder | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_callback", run_folders.RunConfigSaver)
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def add_run_arguments(parser: LightningArgumentParser, default_name: str) -> None:
+        """``--run_name`` and ``--overwrite`` (shared with `vpo sft`)."""
+        parser.add_argument("--run_name", type=str, default=default_name, help="outputs go to checkpoints/<run_name>/")
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+                            help="replace a non-empty checkpoints/<run_name>/ (else refused unless resuming)")
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """``fit`` and ``validate`` only: LightningCLI's ``test``/``predict`` have no meaning here (``vpo eval``)."""
@@ -75,7 +92,7 @@ class VPOCLI(LightningCLI):
                 "validate": {"model", "dataloaders", "datamodule"}}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--run_name", type=str, default="vpo", help="outputs go to checkpoints/<run_name>/")
+        self.add_run_arguments(parser, "vpo")
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
         parser.link_arguments("model.model.name", "data.tokenizer")
@@ -112,19 +129,42 @@ class VPOCLI(LightningCLI):
             problems = config_check.preflight(cfg)
             if problems:
                 raise ValueError("\n  ".join(problems))
-        run_dir = str(Path(OUTPUT_ROOT) / cfg["run_name"])
-        cfg["trainer"]["default_root_dir"] = run_dir
-        logger = cfg["trainer"].get("logger")
-        for lg in logger if isinstance(logger, list) else [logger]:
-            if lg is not None and not isinstance(lg, bool) and "TensorBoardLogger" in str(lg.get("class_path", "")):
-                lg["init_args"]["save_dir"], lg["init_args"]["name"] = OUTPUT_ROOT, cfg["run_name"]
-                lg["init_args"]["version"] = ""
-        if not cfg["checkpoint"].get("dirpath"):
-            cfg["checkpoint"]["dirpath"] = run_dir
-        if self.subcommand == "fit" and (warning := progress.earlier_run_warning(run_dir, bool(cfg.get("ckpt_path")))):
-            progress.action_needed(warning)
-        if self.subcommand == "fit" and cfg.get("ckpt_path") == "last":
-            cfg["ckpt_path"] = _last_checkpoint(run_dir)
+        run_dir = Path(OUTPUT_ROOT) / cfg["run_name"]
+        training = self.subcommand == "fit"
+        log_dir = run_dir if training else run_dir / str(self.subcommand)  # validate/test: <run>/validate/version_N
+        cfg["trainer"]["default_root_dir"] = str(log_dir)
+        for lg in run_folders.tensorboard_loggers(cfg):
+            lg["init_args"]["save_dir"], lg["init_args"]["name"] = str(log_dir.parent), log_dir.name
+            lg["init_args"]["version"] = "" if training else None
+        if cfg["checkpoint"].get("dirpath") not in (None, str(run_dir)):
+            log.info("checkpoint.dirpath=%s is ignored: outputs go to %s (from run_name)",
+                     cfg["checkpoint"]["dirpath"], run_dir)
+        cfg["checkpoint"]["dirpath"] = str(run_dir)
+        if self.subcommand in _SUBCOMMANDS_WITH_RUN and cfg.get("ckpt_path") == "last":
+            cfg["ckpt_path"] = _last_checkpoint(str(run_dir))
+        if training:
+            if not (cfg.get("data") or {}).get("val_files") and "val_files" in (cfg.get("data") or {}):
+                log.info("data.val_files is empty: no validation in this run")
+            self.run_folder = run_folders.claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite")))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with the run folder's guard; validation off when there are no validation files."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.run_folder is not None:
+            trainer.callbacks.append(self.run_folder)
+        if self.subcommand == "fit" and getattr(self.datamodule, "val_files", True) == []:
+            trainer.limit_val_batches = 0
+        return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if self.run_folder is not None:
+                self.run_folder.abandon()
+            raise
+        if self.run_folder is not None:
+            self.run_folder.commit()
 
     def before_fit(self) -> None:
         """Name the file the effective configuration is saved to (``--print_config`` prints it instead)."""

@@ -446,13 +446,20 @@ class VLLMEngine(Engine):
         self.sync(module)
 
     def export_adapter(self, module: Any) -> Path:
-        """Write the current adapter in PEFT format to a fresh versioned directory and return it."""
+        """Write the current adapter in PEFT format to a fresh versioned directory and return it. vLLM holds the raw
+        base, so a run started from ``model.adapter`` exports that adapter stacked with the trained one (export.py)."""
+        from vpo_lightning.export import save_policy_adapter
+
         if self.adapter_dir is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="vpo-adapter-")
         root = Path(self.adapter_dir or self._tmp)
         self.lora_version += 1
         out = root / f"v{self.lora_version}"
-        module.policy.save_pretrained(out)
+        rank = save_policy_adapter(module.policy, out, getattr(module.model_settings, "adapter", None))
+        if rank > self.max_lora_rank:
+            raise ValueError(f"the adapter served to vLLM has rank {rank} (with model.adapter: the starting adapter's "
+                             f"rank + model.lora.r), above rollout.engine.init_args.max_lora_rank="
+                             f"{self.max_lora_rank}: raise it to at least {rank}")
         old = root / f"v{self.lora_version - 1}"
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -8,7 +8,8 @@ Every method gets the same solution budget: n solutions per prompt are n / m cha
 (vpo, multi_rlvr) and n single answers otherwise; k in best@k and pass@k counts solutions, not chains. The prompts
 are a seeded sample (``--prompt_seed``) of the split, so models evaluated with the same arguments see the same
 prompts. Outputs (``--out``): ``eval.json`` (settings, per-prompt and aggregate metrics), ``samples.jsonl`` (every
-completion with its reward vectors) and PNG plots (best@k, pass@k, diversity).
+completion with its reward vectors) and PNG plots (best@k, pass@k, diversity). An output folder that already holds an
+evaluation is refused (``--overwrite`` replaces it whole), so two evaluations never share a file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vpo_lightning.export import refresh_card
 from vpo_lightning.runs import (
     add_run_args,
     event_files,
@@ -66,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimator", help="override rollout.estimator (decides chain vs single-answer prompting)")
     p.add_argument("--label", help="name of this run in `vpo compare` (default: from the run name and weights)")
     p.add_argument("--out", help="output directory (default: beside --ckpt/--adapter, else "
-                                 "checkpoints/eval-<config stem>/)")
+                                 "checkpoints/eval-<config stem>/; with --estimator, its name is appended)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier evaluation in the output directory (else it is refused)")
     p.add_argument("--prompts_per_call", type=int, default=4,
                    help="prompts batched into one generate call (default: 4)")
     p.add_argument("--orders", type=int, default=100, help="random pool orders averaged in best@k (default: 100)")
@@ -92,8 +98,10 @@ def default_data_file(cfg: dict[str, Any], split: str) -> str:
 
 
 def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
-    """Beside the checkpoint or adapter (``eval-<name>``), else ``checkpoints/eval-<config stem>``."""
+    """Beside the checkpoint or adapter (``eval-<name>``), else ``checkpoints/eval-<config stem>``; ``-<split>``
+    for a split other than test, ``-<estimator>`` for ``--estimator``."""
     suffix = "" if args.split == "test" or args.data_file else f"-{args.split}"
+    suffix += f"-{args.estimator}" if getattr(args, "estimator", None) else ""
     if args.ckpt:
         return Path(args.ckpt).parent / f"eval-{Path(args.ckpt).stem}{suffix}"
     if args.adapter:
@@ -373,9 +381,20 @@ def plot_bars(values: dict[str, float], ylabel: str, path: Path, title: str = ""
     plt.close(fig)
 
 
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an output directory that already holds an evaluation, unless ``overwrite``: two evaluations never
+    share a file."""
+    if (out / "eval.json").exists() and not overwrite:
+        raise ValueError(f"{out} already holds an evaluation (eval.json): pass --out DIR for a separate one, or "
+                         "--overwrite to replace it")
+
+
 def write_outputs(out: Path, report: dict[str, Any], pools: list[PromptPool]) -> None:
-    """eval.json, samples.jsonl and the three plots."""
-    out.mkdir(parents=True, exist_ok=True)
+    """eval.json, samples.jsonl and the three plots, written to a temporary folder that then replaces ``out``
+    (nothing of an earlier evaluation stays beside them)."""
+    final, out = out, out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     (out / "eval.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
         for pool in pools:
@@ -389,6 +408,8 @@ def write_outputs(out: Path, report: dict[str, Any], pools: list[PromptPool]) ->
     if agg["within_chain_diversity"] is not None:
         bars["within-chain L1"] = agg["within_chain_diversity"]
     plot_bars(bars, "reward-space diversity", out / "diversity.png", label)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(out, final)
 
 
 def default_label(cfg: dict[str, Any], args: argparse.Namespace, model_name: str) -> str:
@@ -511,6 +532,7 @@ def run_from_samples(args: argparse.Namespace) -> Path:
     })
     report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)  # recomputing only: nothing sampled
     out = Path(args.out) if args.out else src.parent / f"{src.name}-n{args.n}"
+    check_out_dir(out, args.overwrite)
     write_outputs(out, report, pools)
     return out
 
@@ -523,6 +545,8 @@ def run(args: argparse.Namespace) -> Path:
         return run_from_samples(args)
     t0 = time.perf_counter()
     config = find_config(args.config, args.ckpt, args.adapter)
+    out = Path(args.out) if args.out else default_out_dir(args, config)
+    check_out_dir(out, args.overwrite)  # before any sampling
     cfg = load_config(config, args.overrides, require=("rollout",))
     sampler = Sampler.from_config(cfg, args.estimator)
     _check_args(args, sampler.protocol.m)
@@ -536,8 +560,9 @@ def run(args: argparse.Namespace) -> Path:
                "device": str(device)}
     report = build_report(args, cfg, context, sampler, pools)
     report["aggregate"]["time_s"] = round(time.perf_counter() - t0, 2)
-    out = Path(args.out) if args.out else default_out_dir(args, config)
     write_outputs(out, report, pools)
+    if args.adapter or args.ckpt:  # the adapter's model card shows its newest evaluation
+        refresh_card(args.adapter or Path(args.ckpt).parent / "adapters" / Path(args.ckpt).stem)
     return out
 
 

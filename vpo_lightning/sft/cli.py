@@ -29,7 +29,7 @@ class SFTCLI(VPOCLI):
     PROGS = {"fit": "vpo sft", "validate": "vpo sft validate"}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--run_name", type=str, default="sft", help="outputs go to checkpoints/<run_name>/")
+        self.add_run_arguments(parser, "sft")
         parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
         parser.link_arguments("model.model.name", "data.tokenizer")
         parser.set_defaults(TRAINER_DEFAULTS)

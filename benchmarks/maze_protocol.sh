@@ -75,7 +75,11 @@ if [[ "$METHOD" != sft_* ]]; then
   steps=$(done_steps)
   if (( steps < max_steps )); then
     resume=()
-    (( steps > 0 )) && resume=(--ckpt_path last)
+    if (( steps > 0 )); then
+      resume=(--ckpt_path last)
+    elif [[ -d "checkpoints/$RUN" ]]; then  # killed before its first checkpoint: nothing to keep
+      resume=(--overwrite)
+    fi
     echo "=== train $RUN ($CONFIG, seed $SEED, from step $steps of $max_steps, $THREADS thread(s))"
     t0=$SECONDS
     vpo fit --config "$CONFIG" --run_name "$RUN" --seed_everything "$SEED" --rollout.seed "$SEED" \

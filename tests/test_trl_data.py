@@ -175,3 +175,23 @@ def test_dotted_reward_imports_from_the_working_directory(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     entry = get_reward("my_trl_rewards.brevity")
     assert entry.batch and entry.dims == ("brevity",)
+
+
+def test_api_refuses_an_existing_run_before_touching_its_inputs(tmp_path, monkeypatch):
+    """The notebook entry point writes its data into the run folder: an existing run is refused first (as by
+    `vpo fit`), and the entry point's own inputs do not make a fresh folder count as a run."""
+    from vpo_lightning import api, cli
+    from vpo_lightning.run_folders import claim
+
+    monkeypatch.setattr(cli, "OUTPUT_ROOT", str(tmp_path))
+    run = tmp_path / "old"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "train.jsonl").write_text("keep", encoding="utf-8")
+    (run / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="already holds a run"):
+        api.train("tiny-llama", ["format"], [{"prompt": "hi"}], run_name="old")
+    assert (run / "data" / "train.jsonl").read_text(encoding="utf-8") == "keep"
+    fresh = tmp_path / "fresh"
+    (fresh / "data").mkdir(parents=True)
+    (fresh / "api_config.yaml").write_text("run_name: fresh\n", encoding="utf-8")
+    assert claim(fresh, None, overwrite=False).path == fresh  # only the entry point's inputs: not refused

@@ -73,16 +73,28 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
         eval_dataset: validation prompts, in the same forms (optional).
         config: a YAML to start from (e.g. ``configs/debug.yaml``); the arguments here override it.
         run_name: outputs go to ``checkpoints/<run_name>/``.
-        overrides: dotted keys of ``vpo fit`` (``{"rollout.group_size": 4, "trainer.max_steps": 50}``).
+        overrides: dotted keys of ``vpo fit`` (``{"rollout.group_size": 4, "trainer.max_steps": 50}``);
+            ``{"ckpt_path": "last"}`` resumes the run, ``{"overwrite": True}`` replaces it (an existing run folder is
+            refused otherwise, as by ``vpo fit``).
 
     Raises:
         ValueError: bad records, reward signatures or settings, with the message ``vpo fit`` would print.
     """
     from vpo_lightning import cli
     from vpo_lightning.rewards import register_callable
+    from vpo_lightning.run_folders import held_files
 
     names = [f if isinstance(f, str) else register_callable(f) for f in reward_funcs]
     run_dir = Path(cli.OUTPUT_ROOT) / run_name
+    flat = dict(overrides or {})
+    if held_files(run_dir) and not flat.get("ckpt_path"):  # refuse before rewriting an existing run's inputs
+        if not flat.get("overwrite"):
+            raise ValueError(f"{run_dir} already holds a run ({', '.join(held_files(run_dir)[:4])}): give another "
+                             "run_name, resume with overrides={'ckpt_path': 'last'}, or replace it with "
+                             "overrides={'overwrite': True}")
+        import shutil
+
+        shutil.rmtree(run_dir)
     settings: dict[str, Any] = {
         "run_name": run_name,
         "seed_everything": 0,

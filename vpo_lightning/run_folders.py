@@ -109,6 +109,14 @@ class RunFolder(Callback):
             self.path.parent.rmdir()
 
 
+API_INPUTS = frozenset({"api_config.yaml", "data"})  # what vpo_lightning.api.train writes before the run starts
+
+
+def held_files(path: Path) -> list[str]:
+    """What ``path`` holds that a new run would clobber (the notebook entry point's own inputs do not count)."""
+    return sorted(p.name for p in path.iterdir() if p.name not in API_INPUTS) if path.is_dir() else []
+
+
 def claim(path: Path, ckpt_path: str | None, overwrite: bool) -> RunFolder:
     """Check that a training run may write to ``path`` and take it; refuse, naming the fixes, when it may not.
     DDP worker processes (``LOCAL_RANK`` > 0, started once rank 0 is already writing there) take nothing."""
@@ -116,7 +124,7 @@ def claim(path: Path, ckpt_path: str | None, overwrite: bool) -> RunFolder:
         folder = RunFolder(path, created=False)
         folder.committed = True
         return folder
-    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    held = held_files(path)
     resuming = bool(ckpt_path) and (ckpt_path == "last" or _inside(ckpt_path, path))
     if not held or resuming:
         return RunFolder(path, created=not held)

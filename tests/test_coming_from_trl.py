@@ -79,25 +79,28 @@ def test_command_line_example_on_every_trl_data_form(tmp_path):
     datasets.Dataset.from_list(STANDARD).save_to_disk(str(tmp_path / "saved"))
     run = tmp_path / "checkpoints" / "trl-style-cli"
     run.mkdir(parents=True)
-    (run / "step=9.ckpt").write_text("an earlier run's checkpoint")  # -> a warning that needs action
+    (run / "step=9.ckpt").write_text("an earlier run's checkpoint")  # refused, then replaced with --overwrite
     command = blocks["command"].split()
     assert command[:2] == ["vpo", "fit"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # -P: the working directory is not on sys.path, as for the installed `vpo` script; the rewards import anyway
-    proc = subprocess.run([sys.executable, "-P", "-m", "vpo_lightning", *command[1:],
-                           "--data.train_files=[train.parquet,conversational.jsonl,saved]",
-                           "--rollout.estimator=grpo"],  # one answer per chain: the tiny model's text is scored
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    args = [sys.executable, "-P", "-m", "vpo_lightning", *command[1:],
+            "--data.train_files=[train.parquet,conversational.jsonl,saved]",
+            "--rollout.estimator=grpo"]  # one answer per chain: the tiny model's text is scored
+    refused = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "already holds a run (step=9.ckpt)" in refused.stderr
+    assert (run / "step=9.ckpt").read_text() == "an earlier run's checkpoint"
+    proc = subprocess.run([*args, "--overwrite"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scalars = _scalars(run)
     assert scalars["train/reward/all/brevity"] and all(v > 0 for v in scalars["train/reward/all/brevity"])
     assert "train/reward/all/mentions_answer" in scalars
     assert "train/reward/errors" in scalars and max(scalars["train/reward/errors"]) == 0  # every call fitted
-    # quiet: one line names the saved configuration; the earlier-run warning is repeated after the run
+    # quiet: one line names the saved configuration; the overwrite warning is repeated after the run
     assert "configuration: checkpoints/trl-style-cli/config.yaml" in proc.stdout
     assert "seed_everything:" not in proc.stdout
     tail = proc.stderr[proc.stderr.rindex("warnings that need action"):]
-    assert "already holds checkpoints of an earlier run (step=9.ckpt)" in tail
+    assert "--overwrite: checkpoints/trl-style-cli is replaced by this run" in tail
 
 
 @pytest.mark.parametrize("rows", [STANDARD, CONVERSATIONAL])

@@ -61,6 +61,8 @@ class ChainProtocol:
         self.m = num_candidates if self.chained else 1
         self.num_weights, self.alpha, self.tag_family, self.seed = num_weights, alpha, tag_family, seed
         self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
+        # what makes two answers of one chain the same (the first reward that says so), looked up once
+        self.answer_key = next((e.answer_key for e in self.reward_vector.entries if e.answer_key is not None), None)
 
     @property
     def dim_names(self) -> list[str]:
@@ -146,10 +148,9 @@ class ChainProtocol:
         ``dedup_routes``). Evaluation scores every answer, as the reference's evaluation does. Returns the
         candidates and the number dropped."""
         cands = self.candidates(text)
-        key = next((e.answer_key for e in self.reward_vector.entries if e.answer_key is not None), None)
-        if key is None or len(cands) < 2:
+        if self.answer_key is None or len(cands) < 2:
             return cands, 0
-        return distinct(cands, key)
+        return distinct(cands, self.answer_key)
 
     def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
         """Score ``candidates[n][j]`` against ``samples[n]`` with the reward vector: ``[N, m, D]`` and ``[N, m]``."""

@@ -266,6 +266,31 @@ def test_maze_demonstrations_are_valid_random_walks():
     assert 0.0 < gold / n < 0.5 and 0.0 < diamond / n < 0.5  # zones by chance, neither side favoured
 
 
+def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
+    from vpo_lightning.sft.demos import distances_to_exit
+    from vpo_lightning.tasks.maze import Maze, maze_reward
+
+    train = REPO / "data" / "maze" / "5x5" / "train.jsonl"
+    by_id = {r["id"]: r for r in _records(train, 60)}
+    demos = [d for d in build_demos([train], "maze_shortest", [1, 3])[0] if d["source_id"] in by_id]
+    assert {d["m"] for d in demos} == {1, 3}
+    gold = diamond = 0.0
+    for d in demos:
+        record = by_id[d["source_id"]]
+        shortest = distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
+        routes = [d["completion"][len("<route>"):-len("</route>")]] if d["m"] == 1 else parse_chain(
+            d["completion"], 3, "route")
+        assert all(r is not None for r in routes) and len(set(routes)) == len(routes)
+        assert len(routes[0].split()) == shortest  # the first (or only) route is a shortest one
+        assert [len(r.split()) for r in routes] == sorted(len(r.split()) for r in routes)  # shortest first
+        for r in routes:
+            score = maze_reward(r, record)
+            assert score[0] == 1.0  # reaches the exit within the budget, never into a wall
+            gold, diamond = gold + score[1], diamond + score[2]
+    n = sum(d["m"] for d in demos)
+    assert 0.0 < gold / n < 0.6 and 0.0 < diamond / n < 0.6  # zones by chance, neither side favoured
+
+
 # ---------------------------------------------------------------------------------------------- CLI, resume
 
 

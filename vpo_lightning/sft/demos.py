@@ -354,27 +354,71 @@ def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], i
     return moves
 
 
-def maze_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> list[dict[str, Any]]:
-    """Demonstrations for one maze record: a random valid walk (see :func:`random_walk`) in ``<route>`` tags
-    (m = 1), and chains of m different random walks in ``<route_i>`` tags (records whose budget leaves fewer than
-    m different walks in 50 draws get no chain)."""
+def random_shortest_route(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None
+                          ) -> list[str]:
+    """A shortest route from the start to the exit, drawn move by move: each move is uniform among the moves that
+    bring the exit one move closer (``[]`` when the exit is out of reach or beyond the budget).
+
+    Like :func:`random_walk`, blind to gold, diamonds and lava: a route passes the gold or the diamond zone only
+    when a shortest route happens to, which on the corner-to-corner 5x5 mazes is about as often one as the other.
+    What it teaches that a wandering walk does not: every move heads for the exit, so the direction of each move
+    follows from where S and E are (a small model trained on wandering walks ignored them; docs/results_maze.md).
+    """
+    dist = distances_to_exit(maze) if dist is None else dist
+    if maze.start not in dist or dist[maze.start] > maze.budget:
+        return []
+    n = len(maze.grid)
+    pos, moves = maze.start, []
+    while pos != maze.exit:
+        closer = [(name, (pos[0] + dr, pos[1] + dc)) for name, (dr, dc) in MOVES.items()
+                  if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < n
+                  and dist.get((pos[0] + dr, pos[1] + dc)) == dist[pos] - 1]
+        name, pos = rng.choice(closer)
+        moves.append(name)
+    return moves
+
+
+def _maze_routes(maze: Maze, m: int, rng: random.Random, dist: Mapping[tuple[int, int], int],
+                 draws: Sequence[Callable[..., list[str]]]) -> list[str]:
+    """Up to m different routes: 50 draws from each route maker of ``draws`` in turn until m are found."""
+    routes: list[str] = []
+    for draw in draws:
+        for _ in range(50):
+            if len(routes) == m:
+                return routes
+            walk = " ".join(draw(maze, rng, dist))
+            if walk and walk not in routes:
+                routes.append(walk)
+    return routes
+
+
+def _maze_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int,
+                draws: Sequence[Callable[..., list[str]]]) -> list[dict[str, Any]]:
     maze = Maze.from_dict(record["ground_truth"])
     dist = distances_to_exit(maze)
     out = []
     for m in formats:
-        rng = _rng(seed, record.get("id"), m)
-        routes: list[str] = []
-        for _ in range(50):
-            walk = " ".join(random_walk(maze, rng, dist))
-            if walk and walk not in routes:
-                routes.append(walk)
-            if len(routes) == m:
-                break
+        routes = _maze_routes(maze, m, _rng(seed, record.get("id"), m), dist, draws)
         if len(routes) < m:
             continue
         completion = f"<route>{routes[0]}</route>" if m == 1 else chain_completion(routes, "route")
         out.append(_demo(record, m, "route", completion))
     return out
+
+
+def maze_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> list[dict[str, Any]]:
+    """Demonstrations for one maze record (``data.builder: maze``): a random valid walk (see :func:`random_walk`)
+    in ``<route>`` tags (m = 1), and chains of m different random walks in ``<route_i>`` tags (records whose budget
+    leaves fewer than m different walks in 50 draws get no chain)."""
+    return _maze_demos(record, formats, seed, (random_walk,))
+
+
+def maze_shortest_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> list[dict[str, Any]]:
+    """Demonstrations for one maze record (``data.builder: maze_shortest``): a random shortest route (see
+    :func:`random_shortest_route`) for m = 1; for a chain, m different shortest routes, completed with different
+    random valid walks (:func:`random_walk`, longer) where the maze has fewer than m shortest routes, shortest
+    first."""
+    return _maze_demos(record, formats, seed, (random_shortest_route, random_walk))
 
 
 # ---------------------------------------------------------------------------------------------- all together
@@ -386,7 +430,7 @@ def _demo(record: Mapping[str, Any], m: int, family: str, completion: str) -> di
 
 
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Sequence[int], int], list[dict[str, Any]]]] = {
-    "tooluse": tooluse_demos, "maze": maze_demos,
+    "tooluse": tooluse_demos, "maze": maze_demos, "maze_shortest": maze_shortest_demos,
 }
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vpo_lightning.runtime import adapt_threads, parse_threads
+
 log = logging.getLogger(__name__)
 
 
@@ -249,17 +251,22 @@ class TransformersEngine(Engine):
             weights, without transformers' per-module overhead. Another implementation of the forward, so its
             log-probs differ from the trainer's by rounding (``train/engine_logprob_gap``). Other models, quantized
             bases, DoRA and ``merge_lora=False`` with an adapter fall back to the model's forward.
+        threads: on CPU, the intra-op thread count, set before each rollout (it holds for the training step after
+            it too). ``"auto"``: one thread per core that other processes leave free, re-measured over every step
+            (:class:`~vpo_lightning.runtime.ThreadPolicy`; a busy core would stall every parallel region); an integer
+            fixes the count.
     """
 
     def __init__(
         self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True,
         preallocate_cache: bool = True, decode_loop: bool = True, merge_lora: bool = True, pack_weights: bool = True,
-        fused_decode: bool = True,
+        fused_decode: bool = True, threads: int | str = "auto",
     ) -> None:
         self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
         self.share_prompt_prefix, self.preallocate_cache = share_prompt_prefix, preallocate_cache
         self.decode_loop, self.merge_lora, self.pack_weights = decode_loop, merge_lora, pack_weights
         self.fused_decode = fused_decode
+        self.threads = parse_threads(threads)
 
     def _calls(self, prompt_ids: list[list[int]], group_size: int,
                seeds: list[int] | None) -> list[tuple[list[list[int]], int | None]]:
@@ -348,6 +355,8 @@ class TransformersEngine(Engine):
         calls = self._calls(prompt_ids, group_size, seeds)
         rows = len(calls[0][0]) * group_size  # rows of a generate call
         on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
+        if on_cpu:
+            adapt_threads(self.threads)
         try:
             fused = None
             if self.fused_decode and logprobs is not None and on_cpu:

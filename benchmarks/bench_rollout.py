@@ -34,7 +34,13 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  measurement of whether compiling removes the per-operation cost of a small-batch decode, not an
                  engine option (the cache length, hence the compiled shapes, changes with the prompts)
 
+Under a controlled load (``--load busy:1``: one process spinning on one core while the variants run;
+``benchmarks/cpuload.py``) with ``--threads auto,2`` every variant runs under each thread setting
+(``TransformersEngine(threads=...)``, applied before each run): ``auto`` sizes the team to the free cores, ``2`` is
+the fixed team of torch's default on two cores.
+
     .venv/bin/python benchmarks/bench_rollout.py           # before vs default: B=2, G=8, 128 tokens, 2 rounds
+    .venv/bin/python benchmarks/bench_rollout.py --variants default --threads auto,2 --load busy:1 --rounds 1
     .venv/bin/python benchmarks/bench_rollout.py --variants before,prealloc,packed,merged,loop,default --rounds 3
     .venv/bin/python benchmarks/bench_rollout.py --variants before,unfused,default --rounds 2 --warmup 1 --dtype bf16
 """
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", default="auto", help="comma-separated thread settings (auto or a count); every "
+                   "variant runs under each, labelled variant@tSETTING when there are several")
+    p.add_argument("--load", default="none", metavar="none|busy:N[@CORES]",
+                   help="background load while the variants run (benchmarks/cpuload.py): busy:1 = one core kept busy")
     p.add_argument("--out", type=Path, help="write the raw timings as JSON here")
     args = p.parse_args(argv)
     names = args.variants.split(",")
@@ -128,8 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
 
-    from roofline import cpu_description
+    from cpuload import BusyLoad, results_label
+    from roofline import cpu_description, cpu_kind
     from vs_trl import tooluse_policy
+
+    from vpo_lightning.runtime import adapt_threads, parse_threads
+
+    try:
+        settings = [parse_threads(t) for t in args.threads.split(",")]
+        load_run = BusyLoad.from_spec(args.load)
+    except ValueError as err:
+        raise SystemExit(f"bench_rollout: {err}") from None
+    runs = [(n, t) for n in names for t in settings]
+    labels = [n if len(settings) == 1 else f"{n}@t{t}" for n, t in runs]
 
     from vpo_lightning.attention import NAME
     from vpo_lightning.engines import SamplingSettings, TransformersEngine
@@ -145,48 +166,55 @@ def main(argv: list[str] | None = None) -> int:
           f"B={len(prompts)} G={args.group_size} max_new_tokens={args.max_new_tokens}, prompt tokens "
           f"{[len(x) for x in prompts]}", file=sys.stderr, flush=True)
 
-    times: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, list[int]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in labels}
+    tokens: dict[str, list[int]] = {n: [] for n in labels}
+    threads_used: dict[str, list[int]] = {n: [] for n in labels}
     reference, same, agree = None, {}, {}
-    for rnd in range(-args.warmup, args.rounds):
-        for name in names if rnd % 2 == 0 else names[::-1]:
-            engine = TransformersEngine(**VARIANTS[name])
-            torch.manual_seed(args.seed)
-            t0 = time.perf_counter()
-            if name == "before":
-                base.set_attn_implementation("sdpa")
-            try:
-                gen = (generate_compiled(module, prompts, args.group_size, sampling) if name == "compiled"
-                       else engine.generate(module, prompts, args.group_size, sampling))
-            finally:
-                base.set_attn_implementation(attention)
-            elapsed = time.perf_counter() - t0
-            print(f"[bench_rollout] round {rnd + 1}{' (warm-up)' if rnd < 0 else ''}: {name} {elapsed:.2f} s, "
-                  f"{gen.num_tokens} tokens", file=sys.stderr, flush=True)
-            if rnd < 0:
-                continue
-            times[name].append(elapsed)
-            tokens[name].append(gen.num_tokens)
-            if reference is None:
-                reference = gen.completion_ids
-            same[name] = same.get(name, True) and gen.completion_ids == reference
-            agree[name] = agreement(reference, gen.completion_ids)
+    with load_run:  # the busy processes stop however the loop ends
+        for rnd in range(-args.warmup, args.rounds):
+            for label, (name, setting) in (list(zip(labels, runs)) if rnd % 2 == 0 else list(zip(labels, runs))[::-1]):
+                engine = TransformersEngine(**VARIANTS[name], threads=setting)
+                adapt_threads(setting)  # also for the variants that do not go through the engine's generate
+                torch.manual_seed(args.seed)
+                t0 = time.perf_counter()
+                if name == "before":
+                    base.set_attn_implementation("sdpa")
+                try:
+                    gen = (generate_compiled(module, prompts, args.group_size, sampling) if name == "compiled"
+                           else engine.generate(module, prompts, args.group_size, sampling))
+                finally:
+                    base.set_attn_implementation(attention)
+                elapsed = time.perf_counter() - t0
+                print(f"[bench_rollout] round {rnd + 1}{' (warm-up)' if rnd < 0 else ''}: {label} {elapsed:.2f} s, "
+                      f"{gen.num_tokens} tokens, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
+                if rnd < 0:
+                    continue
+                times[label].append(elapsed)
+                tokens[label].append(gen.num_tokens)
+                threads_used[label].append(torch.get_num_threads())
+                if reference is None:
+                    reference = gen.completion_ids
+                same[label] = same.get(label, True) and gen.completion_ids == reference
+                agree[label] = agreement(reference, gen.completion_ids)
 
-    first = statistics.median(times[names[0]])
-    print(f"\n| variant | median generate (s) | tokens/s | ratio to {names[0]} | same tokens as {names[0]} "
+    first = statistics.median(times[labels[0]])
+    print(f"\n| variant | median generate (s) | tokens/s | ratio to {labels[0]} | same tokens as {labels[0]} "
           "(chains equal, mean shared prefix) |\n|---|---|---|---|---|")
-    for name in names:
+    for name in labels:
         med = statistics.median(times[name])
         rate = statistics.median(n / t for n, t in zip(tokens[name], times[name]))
         equal, prefix = agree[name]
         print(f"| {name} | {med:.2f} | {rate:.1f} | {first / med:.2f}x | {'yes' if same[name] else 'NO'} "
               f"({equal:.0%}, {prefix:.1f} tokens) |")
-    print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+    label = results_label(cpu, {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype), args.load)
+    print(f"\n{label}: load {args.load}; load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     if args.out:
         args.out.write_text(json.dumps({
-            "machine": {**cpu, "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-                        "loadavg_1m_at_end": os.getloadavg()[0]},
+            "label": label, "load": load_run.record(),
+            "machine": {**cpu, "cpu_kind": cpu_kind(cpu), "torch_threads": torch.get_num_threads(),
+                        "platform": platform.platform(), "loadavg_1m_at_end": os.getloadavg()[0]},
             "settings": {k: str(v) for k, v in vars(args).items()}, "dtype": dtype, "times_s": times,
+            "threads_used": threads_used,
             "tokens": tokens, "same_tokens_as_first": same,
             "agreement_with_first": {n: {"chains_equal": a[0], "mean_shared_prefix": a[1]} for n, a in agree.items()}},
             indent=1))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build benchmarks/.venv-trl: TRL in its own virtual environment, beside this project, for benchmarks/vs_trl.py.
 #   bash benchmarks/setup_trl.sh            # idempotent: re-running only re-checks the pins
+#   VPO_VENV=/work/main/.venv bash benchmarks/setup_trl.sh     # pins read from a venv outside this checkout
 # torch is installed FIRST and pinned (the local CPU wheel); an unpinned torch would pull a multi-GB CUDA build.
 # transformers / peft / accelerate are pinned to what the project's own .venv has, so both sides run the same model
 # code; TRL is pinned to the version the comparison was measured with.
@@ -11,7 +12,8 @@ VENV=benchmarks/.venv-trl
 TORCH=${TORCH_VERSION:-2.13.0}
 TRL=${TRL_VERSION:-1.16.0}
 # Match the project's venv when it exists, else these defaults (the versions the benchmark was measured with).
-versions() { .venv/bin/python - "$@" <<'PY' 2>/dev/null || true
+OURS=${VPO_VENV:-.venv}                                          # the project's venv (elsewhere: VPO_VENV=/path)
+versions() { "$OURS/bin/python" - "$@" <<'PY' 2>/dev/null || true
 import importlib.metadata as md, sys
 print(" ".join(md.version(n) for n in sys.argv[1:]))
 PY

@@ -18,6 +18,14 @@ with the ratio ours / TRL. Results go to ``benchmarks/results_vs_trl.json``.
     .venv/bin/python benchmarks/vs_trl.py             # 2 rounds x 5 steps per side (~20-40 min on 2 CPU cores)
     .venv/bin/python benchmarks/vs_trl.py --rounds 1 --steps 3 --only ours     # quick look at one side
 
+Under a controlled load (``--load busy:1``: one process spinning on one core for the whole run, started and stopped
+by the script, its pid and core in the results; ``benchmarks/cpuload.py``) both sides run under the same load; ours
+sizes its intra-op threads with ``--threads`` (default ``auto``: the cores other processes leave free), TRL keeps
+torch's default (one thread per core), as each would run for a user. ``--timeout`` bounds each worker: a run that
+is cut off reports the steps it finished and, as a lower bound, the time its unfinished step had taken.
+
+    .venv/bin/python benchmarks/vs_trl.py --rounds 1 --steps 3 --prompts 6 --dtype bf16 --load busy:1 --timeout 600
+
 Step times depend on how long the sampled completions are (a batched ``generate`` runs until its longest chain
 stops), so the table also lists the mean completion length of each side.
 """
@@ -37,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS_PYTHON = ROOT / ".venv" / "bin" / "python"
-TRL_PYTHON = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+# the two sides' interpreters; the environment can point elsewhere (e.g. a worktree without its own .venv)
+OURS_PYTHON = Path(os.environ.get("VPO_BENCH_PYTHON", ROOT / ".venv" / "bin" / "python"))
+TRL_PYTHON = Path(os.environ.get("VPO_TRL_PYTHON", ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"))
 REWARDS = ["format", "tool_name", "arg_key", "arg_value"]
 
 
@@ -100,7 +110,9 @@ def mean_reward_fn(names: list[str]):
 class _Clock:
     """Step boundaries and generate() time / tokens, filled in by the side-specific hooks."""
 
-    def __init__(self) -> None:
+    def __init__(self, partial: Path | None = None) -> None:
+        self.partial = partial  # rewritten after every step, so that a worker cut off by --timeout leaves its steps
+        self.context: tuple[dict, int, float] | None = None  # (spec, baseline RSS, setup s) once set up
         self.start = 0.0
         self.ends: list[float] = []
         self.gen_time: list[float] = []
@@ -122,17 +134,39 @@ class _Clock:
 
         return wrapper
 
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+        self._flush()
+
+    def step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.partial is not None and self.context is not None:
+            report = {**self.report(*self.context), "complete": False, "last_step_end_unix": time.time()}
+            self.partial.write_text(json.dumps(report))
+
     def report(self, spec: dict, baseline_rss: int, setup_s: float) -> dict:
         import torch
 
         bounds = [self.start, *self.ends]
         steps = [b - a for a, b in zip(bounds, bounds[1:])]
+        n = len(steps)  # a partial report: only the finished steps' generate calls
         return {
-            "step_s": steps, "gen_s": self.gen_time, "gen_tokens": self.gen_tokens,
-            "gen_longest": self.gen_longest, "prompt_tokens": self.prompt_tokens, "setup_s": setup_s,
+            "step_s": steps, "gen_s": self.gen_time[:n], "gen_tokens": self.gen_tokens[:n],
+            "gen_longest": self.gen_longest[:n], "prompt_tokens": self.prompt_tokens[:n], "setup_s": setup_s,
             "rss_after_setup_bytes": baseline_rss, "torch_threads": torch.get_num_threads(),
-            "versions": _versions(), "dtype": spec["dtype"],
+            "threads_decisions": _thread_decisions(), "versions": _versions(), "dtype": spec["dtype"],
+            "train_start_unix": time.time() - (time.perf_counter() - self.start),
         }
+
+
+def _thread_decisions() -> list:
+    """Ours: what the engine's thread policy measured and chose before each rollout (empty for TRL)."""
+    runtime = sys.modules.get("vpo_lightning.runtime")
+    policies = getattr(runtime, "_POLICIES", {}) if runtime else {}
+    return [h for p in policies.values() for h in p.history]
 
 
 def _versions() -> dict[str, str]:
@@ -155,7 +189,7 @@ def _model_settings(spec: dict):
 
 
 # ----------------------------------------------------------------------------------------------- ours
-def run_ours(spec: dict) -> dict:
+def run_ours(spec: dict, partial: Path | None = None) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -165,7 +199,7 @@ def run_ours(spec: dict) -> dict:
     from vpo_lightning.runtime import tune_malloc
 
     tune_malloc()  # as `vpo fit` does (a no-op when --env sets MALLOC_* for both sides)
-    clock = _Clock()
+    clock = _Clock(partial)
     records = spec["records"]
     B, G = spec["prompts_per_step"], spec["group_size"]
     batches = [{"records": records[i : i + B], "indices": list(range(i, i + B)), "position": i // B}
@@ -173,13 +207,13 @@ def run_ours(spec: dict) -> dict:
 
     class Timer(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            clock.start = time.perf_counter()
+            clock.begin()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            clock.ends.append(time.perf_counter())
             clock.prompt_tokens.append(int(batch["rollout"].attention_mask[:, : batch["rollout"].prompt_length].sum()))
+            clock.step_end()
 
-    engine = TransformersEngine()
+    engine = TransformersEngine(threads=spec.get("threads", "auto"))
     engine.generate = clock.timed_generate(engine.generate, lambda gen: [len(c) for c in gen.completion_ids])
     rollout = RolloutCallback(rewards=REWARDS, estimator="grpo", num_candidates=1, group_size=G, seed=spec["seed"],
                               sampling=SamplingSettings(max_new_tokens=spec["max_new_tokens"]), engine=engine,
@@ -194,6 +228,7 @@ def run_ours(spec: dict) -> dict:
     module.configure_model()
     setup_s = time.perf_counter() - t0
     baseline = _rss_bytes()
+    clock.context = (spec, baseline, setup_s)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer(), rollout])
@@ -203,7 +238,7 @@ def run_ours(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- TRL
-def run_trl(spec: dict) -> dict:
+def run_trl(spec: dict, partial: Path | None = None) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -212,7 +247,7 @@ def run_trl(spec: dict) -> dict:
 
     from vpo_lightning.models import load_base_model, load_tokenizer
 
-    clock = _Clock()
+    clock = _Clock(partial)
     B, G = spec["prompts_per_step"], spec["group_size"]
     tok = load_tokenizer(spec["model"])
     rows = [{"prompt": tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
@@ -220,10 +255,10 @@ def run_trl(spec: dict) -> dict:
 
     class Timer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            clock.start = time.perf_counter()
+            clock.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            clock.ends.append(time.perf_counter())
+            clock.step_end()
 
     torch.manual_seed(spec["seed"])
     t0 = time.perf_counter()
@@ -244,6 +279,7 @@ def run_trl(spec: dict) -> dict:
                           callbacks=[Timer()])
     setup_s = time.perf_counter() - t0
     baseline = _rss_bytes()
+    clock.context = (spec, baseline, setup_s)
     turn = trainer._generate_single_turn
 
     def generate(prompt_ids, *args, **kwargs):
@@ -256,7 +292,9 @@ def run_trl(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- parent
-def _launch(side: str, spec_path: Path, env_extra: dict[str, str]) -> dict:
+def _launch(side: str, spec_path: Path, env_extra: dict[str, str], timeout: float = 0) -> dict:
+    """Run one side's worker; with ``timeout`` (s) > 0 a worker still running then is killed and its steps so far
+    (rewritten after every step) are returned with ``timed_out`` and the unfinished step's time so far."""
     python = OURS_PYTHON if side == "ours" else TRL_PYTHON
     fd, out = tempfile.mkstemp(suffix=".json", prefix=f"vs-trl-{side}-")
     os.close(fd)
@@ -264,21 +302,46 @@ def _launch(side: str, spec_path: Path, env_extra: dict[str, str]) -> dict:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path), "--result", out]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout or None)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.kill()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{side} worker failed (exit {proc.returncode}); command: {' '.join(cmd)}")
-    result = json.loads(Path(out).read_text())
+    text = Path(out).read_text()
     os.unlink(out)
+    if timed_out:
+        result = json.loads(text) if text else {"step_s": [], "gen_s": [], "gen_tokens": [], "versions": {},
+                                                "rss_after_setup_bytes": 0}
+        started = result.get("last_step_end_unix") or result.get("train_start_unix")
+        result["unfinished_step_s_at_least"] = time.time() - started if started else None
+        print(f"[vs_trl]   {side}: cut off after {timeout:.0f} s with {len(result['step_s'])} step(s) done",
+              file=sys.stderr, flush=True)
+    elif proc.returncode != 0:
+        raise SystemExit(f"{side} worker failed (exit {proc.returncode}); command: {' '.join(cmd)}")
+    else:
+        result = json.loads(text)
+    result["timed_out"] = timed_out
     result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # KiB on Linux; this child (and its waited-for children)
     result["wall_s"] = time.perf_counter() - t0
     return result
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def summarise(runs: list[dict], warmup: int) -> dict:
-    steps, gen_s, gen_tok, train_tps, lengths = [], [], [], [], []
+    """Medians over the measured steps (after ``warmup``) of all runs. A run cut off by ``--timeout`` adds its
+    unfinished step's time so far as one more step when that step is a measured one: the median is then a lower
+    bound (``median_step_is_lower_bound``), and so is ``first_step_s`` when the cut fell in the first step."""
+    steps, gen_s, gen_tok, train_tps, lengths, first, lower = [], [], [], [], [], [], False
     for r in runs:
         for i, (s, g, n) in enumerate(zip(r["step_s"], r["gen_s"], r["gen_tokens"])):
+            if i == 0:
+                first.append(s)
             if i < warmup:
                 continue
             steps.append(s)
@@ -286,16 +349,24 @@ def summarise(runs: list[dict], warmup: int) -> dict:
             gen_tok.append(n)
             train_tps.append(n / max(s - g, 1e-9))
             lengths.append(n)
+        unfinished = r.get("unfinished_step_s_at_least") if r.get("timed_out") else None
+        if unfinished is not None:
+            lower = True
+            (steps if len(r["step_s"]) >= warmup else first).append(unfinished)
     per_step_chains = runs[0]["chains_per_step"]
     return {
-        "median_step_s": statistics.median(steps),
-        "rollout_tokens_per_s": statistics.median(n / g for n, g in zip(gen_tok, gen_s)),
-        "trained_tokens_per_s": statistics.median(train_tps),
-        "median_generate_s": statistics.median(gen_s),
-        "mean_completion_tokens": statistics.mean(lengths) / per_step_chains,
+        "median_step_s": _median(steps),
+        "median_step_is_lower_bound": lower and bool(steps),
+        "first_step_s": _median(first),  # the warm-up step: compare loaded with quiet when nothing else finished
+        "rollout_tokens_per_s": _median([n / g for n, g in zip(gen_tok, gen_s)]),
+        "trained_tokens_per_s": _median(train_tps),
+        "median_generate_s": _median(gen_s),
+        "mean_completion_tokens": statistics.mean(lengths) / per_step_chains if lengths else None,
         "peak_rss_gb": max(r["peak_rss_bytes"] for r in runs) / 2**30,
         "rss_after_setup_gb": max(r["rss_after_setup_bytes"] for r in runs) / 2**30,
-        "steps_measured": len(steps),
+        "steps_measured": len(gen_s),
+        "timed_out_runs": sum(bool(r.get("timed_out")) for r in runs),
+        "torch_threads_at_end": [r.get("torch_threads") for r in runs],
     }
 
 
@@ -320,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["ours", "trl"], help="run one side only (no ratios)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for both workers (e.g. MALLOC_ARENA_MAX=2); repeatable")
+    p.add_argument("--load", default="none", metavar="none|busy:N[@CORES]",
+                   help="background load for the whole run (benchmarks/cpuload.py): busy:1 = one core kept busy")
+    p.add_argument("--threads", default="auto", help="ours: TransformersEngine(threads=...): auto or a count")
+    p.add_argument("--timeout", type=float, default=0, help="seconds per worker run (0 = none); see the docstring")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results_vs_trl.json")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -328,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.worker:  # a child process: run one side, write its raw timings
         spec = json.loads(args.spec.read_text())
-        result = run_ours(spec) if args.worker == "ours" else run_trl(spec)
+        result = run_ours(spec, args.result) if args.worker == "ours" else run_trl(spec, args.result)
         result["chains_per_step"] = spec["prompts_per_step"] * spec["group_size"]
         args.result.write_text(json.dumps(result))
         return 0
@@ -340,14 +415,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
     if args.prompts < args.prompts_per_step * args.steps:
         raise SystemExit("--prompts must be >= --prompts-per-step * --steps (every step sees fresh prompts)")
+    from cpuload import BusyLoad, results_label
+    from roofline import cpu_description, cpu_kind
+
     from vpo_lightning.models import resolve_dtype
 
+    load_run = BusyLoad.from_spec(args.load)  # a bad --load fails here, before anything runs
     records = select_prompts(args.data, args.prompts, args.max_prompt_tokens, args.model)
     spec = {
         "records": records, "model": args.model, "steps": args.steps, "prompts_per_step": args.prompts_per_step,
         "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "beta": args.beta, "lr": args.lr,
         "seed": args.seed, "micro_batch_size": args.micro_batch_size, "logprob_chunk_size": args.logprob_chunk_size,
-        "gradient_checkpointing": args.gradient_checkpointing,
+        "gradient_checkpointing": args.gradient_checkpointing, "threads": args.threads,
         "dtype": {"fp32": "fp32", "bf16": "bf16"}.get(args.dtype, str(resolve_dtype("auto")).split(".")[-1]
                                                       .replace("float32", "fp32").replace("bfloat16", "bf16")),
     }
@@ -358,39 +437,54 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     load = []
     try:
-        for rnd in range(args.rounds):
-            order = sides if rnd % 2 == 0 else sides[::-1]
-            for side in order:
-                load.append(os.getloadavg()[0])
-                print(f"[vs_trl] round {rnd + 1}/{args.rounds}: {side} ...", file=sys.stderr, flush=True)
-                runs[side].append(_launch(side, spec_path, env_extra))
-                r = runs[side][-1]
-                print(f"[vs_trl]   {side}: steps {[round(s, 1) for s in r['step_s']]} s, generate "
-                      f"{[round(s, 1) for s in r['gen_s']]} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB",
-                      file=sys.stderr, flush=True)
+        with load_run:
+            for rnd in range(args.rounds):
+                order = sides if rnd % 2 == 0 else sides[::-1]
+                for side in order:
+                    load.append(os.getloadavg()[0])
+                    print(f"[vs_trl] round {rnd + 1}/{args.rounds}: {side} (load {args.load}) ...", file=sys.stderr,
+                          flush=True)
+                    runs[side].append(_launch(side, spec_path, env_extra, args.timeout))
+                    runs[side][-1]["chains_per_step"] = spec["prompts_per_step"] * spec["group_size"]
+                    _print_run(side, runs[side][-1])
     finally:
         spec_path.unlink()
     summary = {s: summarise(runs[s], warmup=1) for s in sides}
     ratios = {}
     if len(sides) == 2:
-        for key in ("median_step_s", "rollout_tokens_per_s", "trained_tokens_per_s", "peak_rss_gb"):
-            ratios[key] = summary["ours"][key] / summary["trl"][key]
+        for key in ("median_step_s", "first_step_s", "rollout_tokens_per_s", "trained_tokens_per_s", "peak_rss_gb"):
+            if summary["ours"][key] is not None and summary["trl"][key]:
+                ratios[key] = summary["ours"][key] / summary["trl"][key]
+        # a lower bound on TRL's step makes ours/TRL an upper bound (and the reverse)
+        ratios["median_step_s_bound"] = ("upper" if summary["trl"]["median_step_is_lower_bound"] else
+                                         "lower" if summary["ours"]["median_step_is_lower_bound"] else "exact")
     settings = {k: v for k, v in spec.items() if k != "records"}
-    settings.update(prompts=args.prompts, rounds=args.rounds, env=env_extra, data=str(args.data.relative_to(ROOT))
-                    if args.data.is_relative_to(ROOT) else str(args.data))
+    settings.update(prompts=args.prompts, rounds=args.rounds, env=env_extra, timeout_s=args.timeout,
+                    data=str(args.data.relative_to(ROOT)) if args.data.is_relative_to(ROOT) else str(args.data))
+    cpu = cpu_description()
     out = {
-        "settings": settings, "summary": summary, "ratios_ours_over_trl": ratios,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_1m_at_each_launch": load},
+        "label": results_label(cpu, spec["dtype"], args.load), "settings": settings, "summary": summary,
+        "ratios_ours_over_trl": ratios, "load": load_run.record(),
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu, "cpu_kind": cpu_kind(cpu), "platform": platform.platform(),
+                    "loadavg_1m_at_each_launch": load},
         "versions": {s: runs[s][0]["versions"] for s in sides}, "runs": runs,
     }
     args.out.write_text(json.dumps(out, indent=1))
     _print_table(summary, ratios, sides)
-    print(f"load average (1 min) at launches: {', '.join(f'{x:.1f}' for x in load)}; written {args.out}")
+    print(f"{out['label']}: load {args.load}; load average (1 min) at launches: {', '.join(f'{x:.1f}' for x in load)};"
+          f" written {args.out}")
     return 0
+
+
+def _print_run(side: str, r: dict) -> None:
+    print(f"[vs_trl]   {side}: steps {[round(s, 1) for s in r['step_s']]} s, generate "
+          f"{[round(s, 1) for s in r['gen_s']]} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
+          f"threads {r.get('torch_threads')}", file=sys.stderr, flush=True)
 
 
 def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
     rows = [("median step time (s)", "median_step_s", "{:.2f}"),
+            ("first step (warm-up) (s)", "first_step_s", "{:.2f}"),
             ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
             ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"),
             ("peak RSS (GiB)", "peak_rss_gb", "{:.2f}"),
@@ -401,9 +495,14 @@ def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
     print(head)
     print("|" + "---|" * (len(sides) + 1 + bool(ratios)))
     for label, key, fmt in rows:
-        cells = " | ".join(f"{fmt.format(summary[s][key]):>10}" for s in sides)
+        values = [summary[s][key] for s in sides]
+        cells = " | ".join(f"{'-' if v is None else fmt.format(v):>10}" for v in values)
         ratio = f" | {ratios[key]:8.2f} |" if key in ratios else (" |        |" if ratios else " |")
         print(f"| {label:<28} | {cells}{ratio}")
+    bounded = [s for s in sides if summary[s]["timed_out_runs"]]
+    if bounded:
+        print(f"cut off by --timeout: {', '.join(bounded)} (their step times above are lower bounds; "
+              f"ours/TRL median step: {ratios.get('median_step_s_bound', '-')} bound)")
 
 
 if __name__ == "__main__":

@@ -302,13 +302,17 @@ def _launch(side: str, spec_path: Path, env_extra: dict[str, str], timeout: floa
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path), "--result", out]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout or None)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.kill()
-    _, status, usage = os.wait4(proc.pid, 0)
+    deadline, timed_out = (time.monotonic() + timeout) if timeout else None, False
+    while True:  # os.wait4 (not Popen.wait) so that the child's rusage, hence its peak RSS, is ours to read
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            timed_out = True
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.2)
     proc.returncode = os.waitstatus_to_exitcode(status)
     text = Path(out).read_text()
     os.unlink(out)

@@ -1,6 +1,7 @@
 """glibc malloc tuning: applied on Linux/glibc, skipped when the user opts out or set MALLOC_* themselves; the
 intra-op thread policy for a shared machine (issue 43): pure decisions with exact values, no timing."""
 
+import os
 import sys
 
 import pytest
@@ -76,7 +77,7 @@ def test_parse_threads_accepts_auto_and_positive_integers():
 def test_auto_policy_follows_the_measured_load_under_the_ceiling(monkeypatch):
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
         policy = ThreadPolicy("auto")
         policy.cpus = {0, 1}  # decide for two usable cores whatever this machine has
         assert policy.ceiling == 2
@@ -86,8 +87,10 @@ def test_auto_policy_follows_the_measured_load_under_the_ceiling(monkeypatch):
         assert policy.update() == 2 and torch.get_num_threads() == 2
         assert policy.update() == 1 and torch.get_num_threads() == 1
         assert [h["threads"] for h in policy.history] == [1, 2, 1]
-        torch.set_num_threads(1)
-        assert ThreadPolicy("auto").ceiling == 1  # OMP_NUM_THREADS / set_num_threads stays a ceiling
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert ThreadPolicy("auto").ceiling == 1  # the user's OMP_NUM_THREADS stays a ceiling
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert ThreadPolicy("auto").ceiling == len(os.sched_getaffinity(0))  # else every usable core
     finally:
         torch.set_num_threads(before)
 

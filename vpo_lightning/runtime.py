@@ -106,17 +106,16 @@ class ThreadPolicy:
     """The process's intra-op thread count, re-decided at every :meth:`update` (before each rollout).
 
     ``"auto"``: one thread per usable core (``os.sched_getaffinity``) that other processes leave free, never more than
-    torch's count when the policy was made (``OMP_NUM_THREADS`` / ``torch.set_num_threads`` stay a ceiling). Others'
-    use is the cores' busy time in /proc/stat minus this process's own CPU time (its threads and waited-for
-    children), over the window since the previous update (the first window is 0.3 s). An integer fixes the count.
+    ``OMP_NUM_THREADS`` when it is set (the user's ceiling). Others' use is the cores' busy time in /proc/stat minus
+    this process's own CPU time (its threads and waited-for children), over the window since the previous update
+    (the first window is 0.3 s). An integer fixes the count.
     """
 
     def __init__(self, setting: int | str = "auto") -> None:
-        import torch
-
         self.setting = parse_threads(setting)
         self.cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-        self.ceiling = torch.get_num_threads()
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        self.ceiling = int(omp) if omp.isdigit() and int(omp) > 0 else max(len(self.cpus), 1)
         self.history: list[dict] = []  # one entry per update: what was measured and decided
         self._last: tuple[float, int, float] | None = None
 

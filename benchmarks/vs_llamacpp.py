@@ -20,7 +20,8 @@ per row through the inverse CDF, as our engine samples; llama.cpp's own sampler 
 step). Each side runs in its own subprocess: ours in the project's venv, llama.cpp in ``benchmarks/.venv-llamacpp``
 (``bash benchmarks/setup_llamacpp.sh``; an optional benchmark dependency, never needed by the product). Per side
 and thread count: median wall time of a whole rollout (prefill + decode) over ``--rounds`` after ``--warmup``,
-generated tokens, tok/s and the ratio ours / llama.cpp in tok/s (> 1: ours faster).
+generated tokens, tok/s and the ratio ours / llama.cpp in tok/s (> 1: ours faster). llama.cpp's own log is
+silenced (``VPO_LLAMACPP_VERBOSE=1`` keeps it).
 
     bash benchmarks/setup_llamacpp.sh                                   # once (~15 min: builds llama.cpp)
     .venv/bin/python benchmarks/vs_llamacpp.py --threads 1,2            # writes results_llamacpp_<cpu>_<dtype>.json
@@ -154,10 +155,19 @@ def ensure_bf16_gguf(llama, source: Path, target: Path) -> None:
     tmp.rename(target)
 
 
+_QUIET = None  # the log callback, kept alive while llama.cpp may call it
+
+
 def run_llama(spec: dict) -> dict:
+    import ctypes
+
     import llama_cpp as llama
     import numpy as np
 
+    global _QUIET
+    if not os.environ.get("VPO_LLAMACPP_VERBOSE"):  # llama.cpp logs every load and context to stderr
+        _QUIET = llama.llama_log_callback(lambda level, text, data: None)
+        llama.llama_log_set(_QUIET, ctypes.c_void_p(0))
     llama.llama_backend_init()
     path = Path(spec["gguf"])
     if spec["side"].startswith("llama-bf16"):

@@ -4,6 +4,7 @@
 # load (one busy core) where a stage asks for it.
 #   bash benchmarks/speed_suite.sh --check      # before the window: venvs, imports, data; runs nothing timed
 #   bash benchmarks/speed_suite.sh              # the suite; STAGES="vs_trl loaded rollout llamacpp" picks stages
+#   TINY=1 LOAD=none RESULTS=/tmp/suite bash benchmarks/speed_suite.sh   # the plumbing at a tiny size (no timings)
 # Interpreters: VPO_BENCH_PYTHON (default .venv/bin/python), VPO_TRL_PYTHON (benchmarks/.venv-trl, made by
 # setup_trl.sh), VPO_LLAMACPP_PYTHON (benchmarks/.venv-llamacpp, made by setup_llamacpp.sh). Results go to
 # benchmarks/results_*_<cpu kind>_bf16[_busy1].json (a stage overwrites its file) and a summary of the ratios
@@ -24,10 +25,20 @@ export VPO_LLAMACPP_PYTHON=${VPO_LLAMACPP_PYTHON:-$PWD/benchmarks/.venv-llamacpp
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=$VPO_BENCH_PYTHON
 STAGES=${STAGES:-"vs_trl loaded rollout llamacpp"}
+LOAD=${LOAD:-busy:1}          # the load of the loaded stages (LOAD=none only to check the plumbing)
+R=${RESULTS:-benchmarks}      # where the results files go
+mkdir -p "$R"
 KIND=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from roofline import cpu_description, cpu_kind; print(cpu_kind(cpu_description()))") || exit 1
 B=benchmarks
 TRL_ARGS=(--rounds 1 --steps 3 --prompts 6 --dtype bf16)
 ROLL_ARGS=(--variants default --dtype bf16)
+LLAMA_ARGS=()
+if [ -n "${TINY:-}" ]; then   # B = 1, G = 2, 4 new tokens: checks every step and the summary, measures nothing
+  SHAPE=(--prompts-per-step 1 --group-size 2 --max-new-tokens 4)
+  TRL_ARGS=(--rounds 1 --steps 2 --prompts 2 --dtype bf16 "${SHAPE[@]}")
+  ROLL_ARGS+=("${SHAPE[@]}")
+  LLAMA_ARGS=("${SHAPE[@]}")
+fi
 
 check() {
   local ok=0
@@ -53,25 +64,25 @@ T0=$(date +%s)
 echo "speed suite on $(lscpu | sed -n 's/^Model name: *//p') ($KIND), load average $(cut -d' ' -f1 /proc/loadavg)"
 
 if stage vs_trl; then
-  run 900 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --timeout 420 --out $B/results_vs_trl_${KIND}_bf16.json
+  run 900 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --timeout 420 --out $R/results_vs_trl_${KIND}_bf16.json
 fi
 if stage loaded; then
-  run 720 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --load busy:1 --timeout 300 \
-    --out $B/results_vs_trl_${KIND}_bf16_busy1.json
+  run 720 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --load "$LOAD" --timeout 300 \
+    --out $R/results_vs_trl_${KIND}_bf16_busy1.json
 fi
 if stage rollout; then
   run 150 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads auto --rounds 2 --warmup 1 \
-    --out $B/results_rollout_${KIND}_bf16_quiet_threads.json
+    --out $R/results_rollout_${KIND}_bf16_quiet_threads.json
   OMP_WAIT_POLICY=PASSIVE run 150 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads 2 --rounds 2 --warmup 1 \
-    --out $B/results_rollout_${KIND}_bf16_passive.json
-  run 300 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads auto,2 --rounds 1 --load busy:1 \
-    --out $B/results_rollout_${KIND}_bf16_busy1.json
-  OMP_WAIT_POLICY=PASSIVE run 180 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads 2 --rounds 1 --load busy:1 \
-    --out $B/results_rollout_${KIND}_bf16_busy1_passive.json
+    --out $R/results_rollout_${KIND}_bf16_passive.json
+  run 300 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads auto,2 --rounds 1 --load "$LOAD" \
+    --out $R/results_rollout_${KIND}_bf16_busy1.json
+  OMP_WAIT_POLICY=PASSIVE run 180 "$PY" $B/bench_rollout.py "${ROLL_ARGS[@]}" --threads 2 --rounds 1 --load "$LOAD" \
+    --out $R/results_rollout_${KIND}_bf16_busy1_passive.json
 fi
 if stage llamacpp; then
-  run 480 "$PY" $B/vs_llamacpp.py --threads 1,2 --rounds 1 --warmup 1 \
-    --sides ours,llama-bf16,llama-bf16-fa,llama-q4_1-fa --out $B/results_llamacpp_${KIND}_bf16.json
+  run 480 "$PY" $B/vs_llamacpp.py --threads 1,2 --rounds 1 --warmup 1 "${LLAMA_ARGS[@]}" \
+    --sides ours,llama-bf16,llama-bf16-fa,llama-q4_1-fa --out $R/results_llamacpp_${KIND}_bf16.json
 fi
 echo "== suite took $(( ($(date +%s) - T0) / 60 )) min" >&2
-"$PY" $B/speed_summary.py --kind "$KIND"
+"$PY" $B/speed_summary.py --kind "$KIND" --dir "$R"

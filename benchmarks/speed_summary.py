@@ -75,14 +75,14 @@ def trl_targets(quiet: dict, loaded: dict) -> list[dict]:
     return rows
 
 
-def rollout_rows(kind: str) -> list[dict]:
+def rollout_rows(kind: str, bench: Path = BENCH) -> list[dict]:
     """Median generate time of the default engine per thread setting, quiet and under busy:1."""
     rows = []
     for name, path in (("quiet", f"results_rollout_{kind}_bf16_quiet_threads.json"),
                        ("quiet, OMP_WAIT_POLICY=PASSIVE", f"results_rollout_{kind}_bf16_passive.json"),
                        ("busy:1", f"results_rollout_{kind}_bf16_busy1.json"),
                        ("busy:1, OMP_WAIT_POLICY=PASSIVE", f"results_rollout_{kind}_bf16_busy1_passive.json")):
-        data = _load(BENCH / path)
+        data = _load(bench / path)
         for variant, times in (data or {}).get("times_s", {}).items():
             if times:
                 rows.append({"run": name, "variant": variant, "median_generate_s": statistics.median(times),
@@ -93,10 +93,12 @@ def rollout_rows(kind: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", required=True, help="the CPU kind in the results files' names (avx512, amx, avx2)")
+    p.add_argument("--dir", type=Path, default=BENCH, help="where the results files are (default: benchmarks/)")
     args = p.parse_args(argv)
-    out: dict = {"kind": args.kind, "targets": [], "rollout": rollout_rows(args.kind), "llamacpp": None}
-    quiet = _load(BENCH / f"results_vs_trl_{args.kind}_bf16.json")
-    loaded = _load(BENCH / f"results_vs_trl_{args.kind}_bf16_busy1.json")
+    bench = args.dir
+    out: dict = {"kind": args.kind, "targets": [], "rollout": rollout_rows(args.kind, bench), "llamacpp": None}
+    quiet = _load(bench / f"results_vs_trl_{args.kind}_bf16.json")
+    loaded = _load(bench / f"results_vs_trl_{args.kind}_bf16_busy1.json")
     if quiet and loaded:
         out["targets"] = trl_targets(quiet, loaded)
     print(f"\n## speed suite summary ({args.kind}, bf16)\n")
@@ -111,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in out["rollout"]:
         rel = f", {r['median_generate_s'] / base:.2f}x quiet" if base else ""
         print(f"- rollout {r['run']}: {r['variant']} {r['median_generate_s']:.2f} s (threads {r['threads_used']}){rel}")
-    llama = _load(BENCH / f"results_llamacpp_{args.kind}_bf16.json")
+    llama = _load(bench / f"results_llamacpp_{args.kind}_bf16.json")
     if llama:
         out["llamacpp"] = llama["ours_over_side_tokens_per_s"]
         for key, r in llama["results"].items():
             print(f"- {key}: {r['tokens_per_s']:.1f} tok/s"
                   + (f" (ours / it: {llama['ours_over_side_tokens_per_s'][key]:.2f}x)"
                      if key in llama["ours_over_side_tokens_per_s"] else ""))
-    path = BENCH / f"results_speed_suite_{args.kind}.json"
+    path = bench / f"results_speed_suite_{args.kind}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"\nwritten {path}")
     return 0

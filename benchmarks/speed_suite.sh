@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed suite of issue 43: every number of a quiet window in one script (~22 min on the 2-core AVX-512 EPYC;
-# each stage is time-boxed, so at most ~25 min). Run it with NOTHING else on the machine: the script makes its own
-# load (one busy core) where a stage asks for it.
+# each step is time-boxed and no step starts or runs past BUDGET=1500 s, so at most ~25 min). Run it with NOTHING
+# else on the machine: the script makes its own load (one busy core) where a stage asks for it.
 #   bash benchmarks/speed_suite.sh --check      # before the window: venvs, imports, data; runs nothing timed
 #   bash benchmarks/speed_suite.sh              # the suite; STAGES="vs_trl loaded rollout llamacpp" picks stages
 #   TINY=1 LOAD=none RESULTS=/tmp/suite bash benchmarks/speed_suite.sh   # the plumbing at a tiny size (no timings)
@@ -55,8 +55,11 @@ if [ "${1:-}" = "--check" ]; then check; exit $?; fi
 check >/dev/null || { echo "preflight failed: bash benchmarks/speed_suite.sh --check" >&2; exit 1; }
 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
-run() {  # run BOX_SECONDS CMD...: a stage step, killed at its box; the suite goes on either way
-  local box=$1; shift
+BUDGET=${BUDGET:-1500}         # seconds for the whole suite: no step runs past it (the steps are in priority order)
+run() {  # run BOX_SECONDS CMD...: a stage step, killed at its box or at the suite's budget; the suite goes on
+  local box=$1 left=$(( T0 + BUDGET - $(date +%s) )); shift
+  if [ "$left" -lt 60 ]; then echo "== skipped (suite budget ${BUDGET}s spent): $*" >&2; return; fi
+  [ "$box" -gt "$left" ] && box=$left
   echo "== $(date +%T) [box ${box}s] $*" >&2
   timeout --signal=INT --kill-after=20 "$box" "$@" || echo "== step ended with status $? (box ${box}s)" >&2
 }

@@ -12,7 +12,7 @@
 #   loaded step <= 2.5x quiet step (ours); loaded ours/TRL <= 1.5x quiet ours/TRL.
 # Stages and their expected times on the 2-core EPYC (quiet figures from the committed results files):
 #   vs_trl    quiet vs_trl.py bf16 --rounds 1 --steps 3 --prompts 6 (ours ~65 s, TRL ~280 s; box 420 s per side)
-#   loaded    the same under --load busy:1 (ours ~2 min; TRL cut off at 300 s if it collapses: a lower bound)
+#   loaded    the same under --load busy:1 (ours ~2 min; TRL cut off at 420 s if it collapses: a lower bound)
 #   rollout   bench_rollout.py default engine: quiet (auto), quiet with OMP_WAIT_POLICY=PASSIVE at 2 threads, and
 #             under busy:1 with threads auto vs 2 vs 2+PASSIVE (~4 min; each run boxed)
 #   llamacpp  vs_llamacpp.py at 1 and 2 threads: ours, llama.cpp bf16 (with and without flash attention), Q4_1 + FA
@@ -65,12 +65,14 @@ run() {  # run BOX_SECONDS CMD...: a stage step, killed at its box or at the sui
 }
 T0=$(date +%s)
 echo "speed suite on $(lscpu | sed -n 's/^Model name: *//p') ($KIND), load average $(cut -d' ' -f1 /proc/loadavg)"
+awk '{ exit !($1 > 0.5) }' /proc/loadavg && echo "WARNING: load average $(cut -d' ' -f1 /proc/loadavg) > 0.5:" \
+  "the 'quiet' rows are not quiet; every results file records the load average at its launches" >&2
 
 if stage vs_trl; then
   run 900 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --timeout 420 --out $R/results_vs_trl_${KIND}_bf16.json
 fi
 if stage loaded; then
-  run 720 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --load "$LOAD" --timeout 300 \
+  run 960 "$PY" $B/vs_trl.py "${TRL_ARGS[@]}" --load "$LOAD" --timeout 420 \
     --out $R/results_vs_trl_${KIND}_bf16_busy1.json
 fi
 if stage rollout; then

@@ -65,7 +65,7 @@ done
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
 fi
-vpo() { "$PY" -m vpo_lightning.cli "$@"; }
+vpo() { "$PY" -m vpo_lightning.training.cli "$@"; }
 
 FIT_SET=() EVAL_SET=()
 if [[ -n "$MAX_NEW_TOKENS" ]]; then
@@ -93,7 +93,7 @@ train() {  # $1 = vpo|grpo, $2 = config, $3 = max steps, then more `vpo fit` arg
 }
 
 run_tokens() {  # generated training tokens of checkpoints/$1/last.ckpt (the report's "train tokens")
-  "$PY" -c "import sys; from vpo_lightning.evaluate import training_tokens as t; \
+  "$PY" -c "import sys; from vpo_lightning.commands.evaluate import training_tokens as t; \
 print(t(sys.argv[1], None)['generated_tokens'])" "checkpoints/$1/last.ckpt"
 }
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, prompt_token_ids, wrap_lora
+from vpo_lightning.generation.models import LoraSettings, ModelSettings, load_base_model, prompt_token_ids, wrap_lora
 from vpo_lightning.serve import ServeSettings, build_server, load_for_serving, parse_messages
 
 openai = pytest.importorskip("openai", reason="the openai client is in the dev extra: pip install 'openai>=1.40'")

@@ -92,7 +92,7 @@ class BatchGenerator:
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device | str = "cpu", max_batch_size: int = 64,
                  batch_wait_s: float = 0.01, max_regroup_s: float = 2.0) -> None:
-        from vpo_lightning.engines import eos_token_ids
+        from vpo_lightning.generation.engines import eos_token_ids
 
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         self.max_batch_size, self.batch_wait_s, self.max_regroup_s = max_batch_size, batch_wait_s, max_regroup_s
@@ -205,7 +205,7 @@ class BatchGenerator:
 
         from transformers import StoppingCriteriaList
 
-        from vpo_lightning.engines import left_pad
+        from vpo_lightning.generation.engines import left_pad
 
         key = jobs[0].key
         rows = [job.prompt_ids for job in jobs for _ in range(job.n)]

@@ -8,8 +8,8 @@
 Endpoints: ``POST /v1/chat/completions`` (``messages``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``; vLLM's ``top_k`` and ``ignore_eos`` extensions), ``GET /v1/models``,
 ``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's chat template
-(:func:`vpo_lightning.models.prompt_token_ids`), exactly as in training. No streaming. A request with a ``seed``
-is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
+(:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training. No streaming. A request with a
+``seed`` is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
 the batch is the same); ``--ignore-seed`` drops seeds so that they batch with everything.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
@@ -66,9 +66,10 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.commands.tools import parse_args
 from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job
 from vpo_lightning.serve.protocol import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
-from vpo_lightning.tools import parse_args, report_error
+from vpo_lightning.training.runtime import report_error
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class OpenAIServer(ThreadingHTTPServer):
     # the chat-completions endpoint
     def build_job(self, body: Any) -> tuple[Job, str]:
         """Validate a request body into a :class:`Job` and the model id it names."""
-        from vpo_lightning.models import prompt_token_ids
+        from vpo_lightning.generation.models import prompt_token_ids
 
         request = parse_chat_request(body, self.settings, self.models, self.default_model)
         chars = sum(len(m["content"]) for m in request.messages)
@@ -505,8 +506,8 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
 def load_for_serving(config: str | None, adapter: str | None, ckpt: str | None, overrides: list[str],
                      device: torch.device) -> tuple[Any, Any, Any, dict[str, Any]]:
     """``(model, tokenizer, model settings, config dict)`` for ``vpo serve``, loaded like ``vpo eval`` does."""
-    from vpo_lightning import runs
-    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.commands import runs
+    from vpo_lightning.generation.models import load_tokenizer
 
     cfg = runs.load_config(runs.find_config(config, ckpt, adapter), overrides, require=("rollout",))
     model, settings, _ = runs.load_model(cfg, device, ckpt=ckpt, adapter=adapter)
@@ -563,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo serve``: load, bind, serve until Ctrl-C or SIGTERM."""
-    from vpo_lightning.runs import pick_device
+    from vpo_lightning.commands.runs import pick_device
 
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """``SFTModule``: supervised fine-tuning of the policy on demonstrations (the cold start before RL).
 
-The same model loading as ``vpo fit`` (:func:`vpo_lightning.models.load_base_model`: alias, GGUF, directory, hub;
-dtype; LoRA/QLoRA; a starting ``model.adapter``), the same chunked log-prob core (:func:`per_token_logprobs`), the
+The same model loading as ``vpo fit`` (:func:`vpo_lightning.generation.models.load_base_model`: alias, GGUF, directory,
+hub; dtype; LoRA/QLoRA; a starting ``model.adapter``), the same chunked log-prob core (:func:`per_token_logprobs`), the
 same checkpoints (``AdapterCheckpoint``: atomic, PEFT adapter exported beside each). The loss is the mean negative
 log-likelihood of the completion tokens of a batch (prompt tokens carry none), over packed rows
 (:func:`vpo_lightning.sft.data.pack_examples`); each row is backpropagated on its own, weighted by its share of the
@@ -20,8 +20,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from vpo_lightning.losses import per_token_logprobs
-from vpo_lightning.models import (
+from vpo_lightning.core.losses import per_token_logprobs
+from vpo_lightning.generation.models import (
     ModelSettings,
     count_parameters,
     enable_activation_checkpointing,
@@ -29,8 +29,8 @@ from vpo_lightning.models import (
     load_tokenizer,
     wrap_lora,
 )
-from vpo_lightning.module import _peak_rss_gb
 from vpo_lightning.sft.data import pack_examples
+from vpo_lightning.training.module import _peak_rss_gb
 
 log = logging.getLogger(__name__)
 

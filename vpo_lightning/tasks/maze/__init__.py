@@ -17,7 +17,7 @@ tolerant: ``U, R, R``, ``URRD``, ``up right``, arrows; other words are ignored; 
 Which text is read follows the reference implementation (``ryanboldi/vpo``, ``vpo_tasks/maze.py``; docs/FIDELITY.md):
 a single answer is the content of its first closed ``<route>...</route>`` block (the reference's
 ``<answer>...</answer>`` is read too), else the whole text. A chain's answers are split by
-:func:`vpo_lightning.chains.parse_chain` (closed ``<route_i>`` blocks, then the reference's fallbacks), and
+:func:`vpo_lightning.core.chains.parse_chain` (closed ``<route_i>`` blocks, then the reference's fallbacks), and
 identical routes within one chain count once (:func:`route_key`). In both modes only the first ``budget`` moves
 count, a move into a wall or off the grid is blocked (the walker stays put; the move still uses one move of the
 budget), and the route ends at its first arrival on the exit (later moves are ignored).
@@ -584,7 +584,7 @@ def draw_maze(maze: Maze | Mapping[str, Any], routes: Sequence[str | Sequence[st
 def chain_routes(text: str, m: int) -> list[str]:
     """The routes of one completion: its ``<route_1>``..``<route_m>`` blocks when it has any (missing blocks are
     dropped), else the whole text as one single-answer route."""
-    from vpo_lightning.chains import parse_chain
+    from vpo_lightning.core.chains import parse_chain
 
     if re.search(r"<route_\d+>", text, re.IGNORECASE):
         return [r for r in parse_chain(text, m, "route") if r is not None]

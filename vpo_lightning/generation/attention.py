@@ -5,7 +5,7 @@ shape of this project's work lets it do less (issue 25).
   took ~3 ms per layer for 16 rows x 400 cached tokens in bf16, the matmuls ~0.4 ms (AVX-512 CPU, measured).
 - **Packed training rows** (``vpo_segments=(p, lengths)`` passed through the model's forward): a row is
   ``[prompt (p) | completion_1 | ... | completion_n]`` where each completion sees the prompt and its own prefix
-  (``vpo_lightning.packing``). SDPA with the [T, T] block mask computes every pair of the row; here the prompt
+  (``vpo_lightning.core.packing``). SDPA with the [T, T] block mask computes every pair of the row; here the prompt
   attends causally to itself once and each completion to ``[prompt | itself]``: p^2 / 2 + sum_i l_i (p + l_i)
   pairs instead of T^2 (~3x fewer for a tool-use group). On CPU the completions' part is :class:`ChainAttention`
   (the prompt's keys in one flash call for all completions, merged with each completion's causal part). The same

@@ -107,10 +107,10 @@ def get(cfg: dict, dotted: str, default: Any = None) -> Any:
 class RunSettings:
     """The settings of a `vpo fit` run, instantiated from its config with the code's defaults filled in."""
 
-    model: Any  # vpo_lightning.models.ModelSettings
-    optim: Any  # vpo_lightning.module.OptimSettings
-    loss: Any  # vpo_lightning.module.LossSettings
-    sampling: Any  # vpo_lightning.engines.SamplingSettings
+    model: Any  # vpo_lightning.generation.models.ModelSettings
+    optim: Any  # vpo_lightning.training.module.OptimSettings
+    loss: Any  # vpo_lightning.training.module.LossSettings
+    sampling: Any  # vpo_lightning.generation.engines.SamplingSettings
     batch_size: int  # data.batch_size
     max_prompt_tokens: int  # data.max_prompt_tokens (0 = unknown)
     group_size: int  # rollout.group_size
@@ -122,11 +122,11 @@ class RunSettings:
 def run_settings(cfg: dict) -> RunSettings:
     """Instantiate the settings dataclasses of ``cfg`` (``model.model``, ``model.optim``, ``model.loss``,
     ``rollout.sampling``) and read the data, rollout and engine knobs, defaults from the classes' signatures."""
-    from vpo_lightning.datamodule import PromptDataModule
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine, VLLMEngine
-    from vpo_lightning.models import ModelSettings
-    from vpo_lightning.module import LossSettings, OptimSettings
-    from vpo_lightning.rollout import RolloutCallback
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, VLLMEngine
+    from vpo_lightning.generation.models import ModelSettings
+    from vpo_lightning.training.datamodule import PromptDataModule
+    from vpo_lightning.training.module import LossSettings, OptimSettings
+    from vpo_lightning.training.rollout import RolloutCallback
 
     engine = get(cfg, "rollout.engine", {}) or {}
     class_path = str(engine.get("class_path", "TransformersEngine") if isinstance(engine, dict) else engine)
@@ -184,17 +184,10 @@ def read_scalars(run_dir: Path, *, recursive: bool = False) -> dict[str, dict[in
     return out
 
 
-def adapter_weights_file(adapter: Path) -> Path:
-    """The weights file of a PEFT adapter directory."""
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if (adapter / name).is_file():
-            return adapter / name
-    raise FileNotFoundError(f"--adapter {str(adapter)!r}: no adapter_model.safetensors in it (not a PEFT adapter)")
-
 
 def load_ckpt_policy(settings: Any, ckpt: dict[str, Any], device: torch.device) -> torch.nn.Module:
     """Rebuild the policy from settings and load the checkpoint's trainable weights (``policy.*`` keys)."""
-    from vpo_lightning.models import load_base_model, wrap_lora
+    from vpo_lightning.generation.models import load_base_model, wrap_lora
 
     model = load_base_model(settings, device)
     if settings.lora.enabled:
@@ -224,8 +217,8 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
     Returns:
         ``(model, ModelSettings, info)``; ``info`` names the weights and their sha256 (for eval.json).
     """
-    from vpo_lightning.export import read_meta
-    from vpo_lightning.models import ModelSettings, load_base_model
+    from vpo_lightning.generation.adapters import adapter_weights_file, read_meta
+    from vpo_lightning.generation.models import ModelSettings, load_base_model
 
     raw = dict(get(cfg, "model.model", {}) or {})
     info: dict[str, Any] = {"ckpt": ckpt, "adapter": adapter, "weights_sha256": None, "global_step": None}

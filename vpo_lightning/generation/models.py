@@ -46,7 +46,7 @@ ALIAS_HUB_IDS: dict[str, str] = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Ins
 DEFAULT_MODEL = "smollm2-135m"
 # A tiny random-initialised Llama with SmolLM2's tokenizer (committed under assets/): tests and configs/debug.yaml.
 TINY_MODEL = "tiny-llama"
-TOKENIZER_ASSETS = Path(__file__).parent / "assets" / "smollm2_tokenizer"
+TOKENIZER_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "smollm2_tokenizer"
 
 
 @dataclass
@@ -344,7 +344,7 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
         model.to(device)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if settings.attn_implementation == "sdpa":  # SDPA, with less work for decode steps and packed rows
-        from vpo_lightning.attention import use_vpo_attention
+        from vpo_lightning.generation.attention import use_vpo_attention
 
         use_vpo_attention(model)
     return model
@@ -457,6 +457,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template, ending with the assistant generation prompt;
-    ``tools`` (JSON schemas, a record's ``tools``: :func:`vpo_lightning.records.template_tools`) go to the template."""
+    ``tools`` (JSON schemas, a record's ``tools``: :func:`vpo_lightning.training.records.template_tools`) go to the
+    template."""
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-DERIVED = "_derived"  # record key: the fields added here, not columns of the user's data
+from vpo_lightning.core.types import DERIVED
+
 _ROLES = {"system", "user", "assistant", "tool"}
 _DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # built-in tasks whose prompts already list the record's tools in the system message (ToolRL format)

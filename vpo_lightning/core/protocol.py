@@ -1,4 +1,4 @@
-"""A task's chain protocol, and the rollout's data types: what training, ``vpo eval`` and ``vpo search`` share.
+"""A task's chain protocol, and the rollout's tensors: what training, ``vpo eval`` and ``vpo search`` share.
 
 :class:`ChainProtocol` is the Lightning-free part of a rollout (VPO-SPEC sections 2 and 3): the prompt with the
 m-answer instruction appended (chain methods) or the shown objective weights (goal-conditioned GRPO), the split of
@@ -6,24 +6,24 @@ a completion into its m candidates, the D-dimensional reward vector that scores 
 VPO's keyed by (seed, step, prompt index), fresh every step; the weighted single-answer baselines' keyed by (seed,
 record id), fixed per training row as in the reference (``vpo/augment.py``: the same prompt sees the same weights
 every epoch). The rollout callback drives it with an engine inside
-Lightning; ``vpo eval`` and ``vpo search`` drive it with an engine outside. :class:`Rollout` is one step's sampled
-chains as the loss reads them; :func:`build_rollout_tensors` stacks prompts and completions into it.
+Lightning; ``vpo eval`` and ``vpo search`` drive it with an engine outside. :func:`build_rollout_tensors` stacks
+prompts and completions into the tensors of a :class:`~vpo_lightning.core.types.Rollout`, the step's sampled chains
+as the loss reads them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from vpo_lightning.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, restrict_weights, sample_weights
-from vpo_lightning.chains import build_instruction, distinct, parse_chain
-from vpo_lightning.engines import Generation
-from vpo_lightning.rewards import RewardScores, RewardVector
+from vpo_lightning.core.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, restrict_weights, sample_weights
+from vpo_lightning.core.chains import build_instruction, distinct, parse_chain
+from vpo_lightning.core.types import Generation, RewardScores
+from vpo_lightning.rewards import RewardVector
 
 Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
 TagFamily = Literal["response", "route", "fence"]
@@ -155,24 +155,6 @@ class ChainProtocol:
     def score(self, candidates: Sequence[Sequence[str | None]], samples: Sequence[Mapping[str, Any]]) -> RewardScores:
         """Score ``candidates[n][j]`` against ``samples[n]`` with the reward vector: ``[N, m, D]`` and ``[N, m]``."""
         return self.reward_vector.score(candidates, samples)
-
-
-@dataclass
-class Rollout:
-    """One step's sampled chains, ready for the loss. N = B * G rows, group-contiguous."""
-
-    input_ids: Tensor  # [N, P + L] left-padded prompt, right-padded completion
-    attention_mask: Tensor  # [N, P + L]
-    completion_mask: Tensor  # [N, L] 1 on generated tokens that count in the loss
-    prompt_length: int  # P
-    advantages: Tensor  # [N] one scalar per chain, broadcast to every generated token
-    rewards: Tensor  # [N, m, D]
-    candidate_mask: Tensor  # [N, m]
-    texts: list[str]
-    temperature: float = 1.0
-    max_length: int = 0  # the generation budget (Dr. GRPO's constant normaliser); 0 = the batch's L
-    engine_logprobs: Tensor | None = None  # [N, L] from the engine (its decode loop, vLLM): the train/inference gap
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def engine_logprob_tensor(gen: Generation, completion_mask: Tensor) -> Tensor | None:

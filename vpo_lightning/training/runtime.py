@@ -1,5 +1,9 @@
-"""Process-level runtime settings applied once at the start of ``vpo`` commands.
+"""How a ``vpo`` process starts and stops: library noise quieted, the log format, malloc tuning, one-line errors.
 
+:func:`prepare_process` and :func:`tune_malloc` run once at the start of every ``vpo`` command
+(:func:`vpo_lightning.launcher.main`); :func:`report_error` is how each command answers bad input.
+
+Malloc tuning.
 glibc's malloc returns every large block (>= 32 MiB-ish, dynamic threshold) to the kernel with ``munmap`` and trims
 the heap top eagerly. A training step allocates and frees logits-sized buffers (hundreds of MB) many times, so with
 the defaults the kernel re-faults the same pages on every micro-batch. Keeping freed memory in the heap removes that
@@ -14,8 +18,20 @@ import ctypes.util
 import logging
 import os
 import sys
+import warnings
 
 log = logging.getLogger(__name__)
+_QUIET = (  # Lightning warnings that do not apply to this app's design
+    ".*ModelCheckpoint with manual optimization.*",  # checkpoints after the step are what we want
+    ".*module\\(s\\) in eval mode.*",  # dropout-free frozen base modules
+    ".*IterableDataset. has .__len__. defined.*",  # one process, position-aware stream
+    ".*litlogger.*",
+    ".*is_gradient_checkpointing.*",
+    ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; run_folders.py
+    ".*LeafSpec.* is deprecated.*",  # inside Lightning's pytree helper, nothing the user can change
+    ".*resuming from a checkpoint that ended before the epoch ended.*",  # the datamodule resumes at its position
+    ".*args parameter is intended to run from within Python.*",  # main() passes sys.argv on as args, on purpose
+)
 
 # mallopt parameter numbers from glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
@@ -52,3 +68,23 @@ def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int =
     if applied:
         log.debug("malloc tuned: mmap_max=%d trim_threshold=%d top_pad=%d", mmap_max, trim_threshold, top_pad)
     return applied
+
+
+def prepare_process() -> None:
+    """What every ``vpo`` command sets up first: quiet library noise that needs no action, and the log format."""
+    from vpo_lightning.training import progress
+
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    progress.quiet_lightning_logs()
+    progress.quiet_libraries()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def report_error(command: str, err: BaseException) -> int:
+    """Print ``<command>: error: ...`` for bad input and return exit code 2; with ``VPO_DEBUG`` set, re-raise."""
+    if os.environ.get("VPO_DEBUG"):
+        raise err
+    print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+    return 2

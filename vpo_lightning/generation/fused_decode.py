@@ -6,10 +6,10 @@ mask building, cache updates, three projections where one would do, dtype casts)
 prepacked products per layer. :class:`FusedDecoder` runs the same arithmetic from the same weights with less around
 it, and builds those weights once per rollout:
 
-- the LoRA adapter merged into each projection (:func:`vpo_lightning.decoding.merged_weight`);
+- the LoRA adapter merged into each projection (:func:`vpo_lightning.generation.decoding.merged_weight`);
 - the query, key and value projections as one product, the gate and up projections as one (4 products per layer
   instead of 7: fewer, wider products), each weight prepacked by oneDNN for the decode's row count where torch can
-  (:func:`vpo_lightning.decoding.prepack_linear_weight`);
+  (:func:`vpo_lightning.generation.decoding.prepack_linear_weight`);
 - the residual sums fused into the output and down products (oneDNN post-ops);
 - the prompt's keys and values kept once per prompt, not once per chain: the G chains of a group attend to the
   same prompt cache, so a decode step's attention over the prompt is one product per prompt and kv head for all
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vpo_lightning.decoding import mergeable_layer, merged_weight, packable, prepack_linear_weight
+from vpo_lightning.generation.decoding import mergeable_layer, merged_weight, packable, prepack_linear_weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -62,7 +62,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor
     ``gather`` ``[n, L]`` (the position of the hidden state that predicts each completion token; 0 on padding),
     ``targets`` ``[n, L]`` and ``completion_mask`` ``[n, L]`` cut to the longest real completion L, and
     ``segments`` ``[1 + n]`` (the prompt's length, then each completion's: what
-    :func:`vpo_lightning.attention.segment_attention` needs instead of the mask).
+    :func:`vpo_lightning.generation.attention.segment_attention` needs instead of the mask).
     """
     P = prompt_length
     first = rows[0]

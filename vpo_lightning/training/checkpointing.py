@@ -1,10 +1,10 @@
 """Checkpoints that are never half-written, each with the adapter exported in the standard PEFT format.
 
-A checkpoint is written to a temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a kill at
-any moment leaves either the previous complete file or the new complete file. The adapter directory beside it is
-written the same way (temporary directory, then rename) by :func:`vpo_lightning.export.write_adapter_folder`: it loads
-with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the
-starting adapter is stacked in), and it carries the tokenizer and a model card.
+A checkpoint is written to a temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a kill at any
+moment leaves either the previous complete file or the new complete file. The adapter directory beside it is written the
+same way (temporary directory, then rename) by :func:`vpo_lightning.generation.adapters.write_adapter_folder`: it loads
+with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the starting
+adapter is stacked in), and it carries the tokenizer and a model card.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class AdapterCheckpoint(ModelCheckpoint):
             os.replace(tmp, filepath)
             module = trainer.lightning_module
             if self.export and getattr(module, "uses_lora", False):
-                from vpo_lightning.export import run_facts, write_adapter_folder
+                from vpo_lightning.generation.adapters import run_facts, write_adapter_folder
 
                 run_dir = Path(filepath).parent
                 write_adapter_folder(module.policy, run_dir / "adapters" / Path(filepath).stem, module.model_settings,
@@ -119,7 +119,7 @@ class AdapterCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         adapter = Path(self.dirpath or "") / "adapters" / "last"
         if self.push_to_hub and trainer.is_global_zero and adapter.is_dir():
-            from vpo_lightning.export import push_folder
+            from vpo_lightning.generation.adapters import push_folder
 
             push_folder(adapter, str(self.hub_model_id))
 

@@ -1,6 +1,6 @@
-"""Compare methods over several training seeds with 95% bootstrap intervals over prompts and seeds.
+"""``vpo replicates``: compare methods over training seeds, with 95% bootstrap intervals over prompts and seeds.
 
-    python -m vpo_lightning.replicates --group "VPO=ev/vpo-s0,ev/vpo-s1,ev/vpo-s2" \\
+    vpo replicates --group "VPO=ev/vpo-s0,ev/vpo-s1,ev/vpo-s2" \\
         --group "GRPO=ev/grpo-s0,ev/grpo-s1,ev/grpo-s2" --group "SFT=ev/sft-s0,ev/sft-s1" --out docs/results_maze.md
 
 ``vpo compare`` puts single ``eval.json`` files side by side; this groups the ``eval.json`` files of one method (one
@@ -143,9 +143,10 @@ def parse_group(text: str) -> tuple[str, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
-    from vpo_lightning.compare import default_ks, read_eval
+    from vpo_lightning.commands.compare import default_ks, read_eval
 
-    p = argparse.ArgumentParser(prog="python -m vpo_lightning.replicates", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vpo replicates", description="Compare methods over several training seeds, "
+                                "with 95% bootstrap intervals over prompts and seeds.")
     p.add_argument("--group", action="append", required=True, help="LABEL=eval1,eval2,... (repeatable)")
     p.add_argument("--out", required=True, help="markdown file to write; the plot goes beside it")
     p.add_argument("--ks", help="comma-separated k for the best@k columns (default: 1, 2, 4, ... and n)")

@@ -1,5 +1,5 @@
-"""Prompt data: records from JSONL, JSON, Parquet, CSV or a saved ``datasets`` folder (:mod:`vpo_lightning.records`;
-TRL's ``prompt`` formats too), validated at setup, streamed B prompts a step.
+"""Prompt data: records from JSONL, JSON, Parquet, CSV or a saved ``datasets`` folder
+(:mod:`vpo_lightning.training.records`; TRL's ``prompt`` formats too), validated at setup, streamed B prompts a step.
 
 Batches are yielded by an iterable dataset that knows its position: the number of batches the trainer has consumed.
 Shuffling is a seeded permutation per epoch, so (seed, position) fixes what comes next, and the position is saved in
@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from vpo_lightning.records import read_jsonl, read_records, template_tools
+from vpo_lightning.training.records import read_jsonl, read_records, template_tools
 
 __all__ = ["PromptDataModule", "PromptStream", "StreamDataModule", "read_jsonl", "read_records"]
 
@@ -131,7 +131,7 @@ class PromptDataModule(StreamDataModule):
     def _filter_length(self, records: list[dict]) -> list[dict]:
         if not self.max_prompt_tokens or not self.tokenizer:
             return records
-        from vpo_lightning.models import load_tokenizer, prompt_token_ids
+        from vpo_lightning.generation.models import load_tokenizer, prompt_token_ids
 
         tok = load_tokenizer(self.tokenizer)
         lengths = [len(prompt_token_ids(tok, r["messages"], template_tools(r))) for r in records]

@@ -328,7 +328,7 @@ def random_weight_grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: 
 
     ``weights`` ``[B, 1, D]`` (or ``[B, K, D]``/``[K, D]``, scored as the mean over K) comes from the rollout,
     which keys it on the training row so the same row always gets the same w
-    (:meth:`~vpo_lightning.protocol.ChainProtocol.step_weights`); ``None`` draws one vector per group with
+    (:meth:`~vpo_lightning.core.protocol.ChainProtocol.step_weights`); ``None`` draws one vector per group with
     ``generator`` (``num_weights`` is then ignored: the method is defined with a single weight vector). With
     ``dim_mask`` the weights are restricted to the real dimensions. ``rewards [B, G, 1, D] -> [B, G]``.
     """

@@ -49,7 +49,7 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "seed": ("seed_everything", "and rollout.seed for sampling"),
     "reward_funcs": ("rollout.rewards", "TRL reward functions work as dotted paths"),
     "reward_weights": ("rollout.rewards", "VPO samples the weights (rollout.num_weights); there are none to set"),
-    "use_vllm": ("rollout.engine", "--rollout.engine=vpo_lightning.engines.VLLMEngine"),
+    "use_vllm": ("rollout.engine", "--rollout.engine=vpo_lightning.generation.engines.VLLMEngine"),
     "model_name_or_path": ("model.model.name", ""),
     "torch_dtype": ("model.model.dtype", "bf16, fp32, fp16 or auto"),
     "bf16": ("model.model.dtype", "--model.model.dtype=bf16"),
@@ -386,5 +386,5 @@ def preflight(cfg: Any) -> list[str]:
         if missing or not _has_cuda():
             need = "vLLM (pip install 'vpo-lightning[vllm]')" if missing else "a CUDA GPU"
             problems.append(f"rollout.engine=VLLMEngine needs {need}. To run here, use "
-                            "--rollout.engine=vpo_lightning.engines.TransformersEngine.")
+                            "--rollout.engine=vpo_lightning.generation.engines.TransformersEngine.")
     return problems

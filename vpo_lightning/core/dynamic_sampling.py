@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from vpo_lightning.core.types import Round
 
 
 @dataclass
@@ -40,24 +41,6 @@ class DynamicSamplingSettings:
 
     enabled: bool = False
     max_extra_rounds: int = 2
-
-
-@dataclass
-class Round:
-    """One generation round of a step: B prompt groups of G chains, scored. N = B * G rows, group-contiguous."""
-
-    records: list[dict[str, Any]]  # [B]
-    indices: list[int]  # [B] record indices in the training set
-    prompts: list[list[int]]  # [B] prompt token ids
-    completion_ids: list[list[int]]  # [N]
-    texts: list[str]  # [N]
-    rewards: Tensor  # [B, G, m, D]
-    mask: Tensor  # [B, G, m]
-    advantages: Tensor  # [B, G]
-    weights: Tensor | None  # [B, K, D] or None
-    num_tokens: int  # tokens generated in this round
-    engine_logprobs: list[list[float]] | None = None  # [N] per-token engine log-probs
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. reward errors, generation time
 
 
 def groups_with_signal(advantages: Tensor) -> Tensor:

@@ -137,7 +137,9 @@ def claim(path: Path, ckpt_path: str | None, overwrite: bool) -> RunFolder:
     aside = path.with_name(f".{path.name}.replaced")
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(path, aside)
-    from vpo_lightning.progress import action_needed  # printed again after the run, so that it does not scroll away
+    from vpo_lightning.training.progress import (
+        action_needed,  # printed again after the run, so that it does not scroll away
+    )
 
     action_needed(f"--overwrite: {path} is replaced by this run (kept aside as {aside} until its first step)")
     return RunFolder(path, created=True, aside=aside)

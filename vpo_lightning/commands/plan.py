@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.tools import parse_args
+from vpo_lightning.commands.tools import parse_args
 
 GiB = 2**30
 
@@ -170,22 +170,22 @@ def parse_size(text: str) -> int:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> dict:
-    """Read a `vpo fit` YAML as ``vpo fit`` does (see :func:`vpo_lightning.runs.load_config`)."""
-    from vpo_lightning.runs import load_config as load
+    """Read a `vpo fit` YAML as ``vpo fit`` does (see :func:`vpo_lightning.commands.runs.load_config`)."""
+    from vpo_lightning.commands.runs import load_config as load
 
     return load(path, overrides)
 
 
 def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
     """The knobs the estimate needs, read from the settings instantiated from ``cfg`` (missing keys take the
-    defaults of the code's settings classes: :func:`vpo_lightning.runs.run_settings`).
+    defaults of the code's settings classes: :func:`vpo_lightning.commands.runs.run_settings`).
 
     ``dtype: auto`` becomes bf16 when planning for a GPU (``for_gpu`` or ``trainer.accelerator: gpu``), else what
     ``resolve_dtype`` picks on this machine.
     """
-    from vpo_lightning.models import resolve_dtype
-    from vpo_lightning.packing import packing_enabled
-    from vpo_lightning.runs import run_settings
+    from vpo_lightning.commands.runs import run_settings
+    from vpo_lightning.core.packing import packing_enabled
+    from vpo_lightning.generation.models import resolve_dtype
 
     run = run_settings(cfg)
     model, optim = run.model, run.optim
@@ -245,7 +245,7 @@ def _hub_cache_config(repo_id: str) -> Path | None:
 
 def model_arch(name: str) -> tuple[Arch, str]:
     """The architecture of ``name`` and where it came from; raises ValueError when it cannot be found offline."""
-    from vpo_lightning.models import ALIASES, TINY_MODEL, cache_dir, resolve_model_path
+    from vpo_lightning.generation.models import ALIASES, TINY_MODEL, cache_dir, resolve_model_path
 
     path = Path(name).expanduser()
     if name in ALIASES or name == TINY_MODEL:

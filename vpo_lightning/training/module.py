@@ -22,13 +22,13 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from torch import Tensor, nn
 
-from vpo_lightning.attention import uses_vpo_attention
-from vpo_lightning.checkpointing import pause_point
-from vpo_lightning.dynamic_sampling import rows_to_train
-from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
-from vpo_lightning.models import ModelSettings, count_parameters, load_policy, load_tokenizer
-from vpo_lightning.packing import packed_micro_batches, packing_enabled
-from vpo_lightning.protocol import Rollout
+from vpo_lightning.core.dynamic_sampling import rows_to_train
+from vpo_lightning.core.losses import masked_mean, per_token_logprobs, policy_loss
+from vpo_lightning.core.packing import packed_micro_batches, packing_enabled
+from vpo_lightning.core.types import Rollout
+from vpo_lightning.generation.attention import uses_vpo_attention
+from vpo_lightning.generation.models import ModelSettings, count_parameters, load_policy, load_tokenizer
+from vpo_lightning.training.checkpointing import pause_point
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class VPOModule(L.LightningModule):
         """Per-token log-probs of the completion tokens, ``[n, L]``, from a chunked pass over hidden states."""
         decoder, head = self._decoder_and_head(model)
         if "gather" in mb:  # a packed row: [prompt | completion_1 | ... | completion_n]
-            # under SDPA, attention runs per segment (vpo_lightning.attention): the prompt once, then each
+            # under SDPA, attention runs per segment (vpo_lightning.generation.attention): the prompt once, then each
             # completion against [prompt | itself], instead of every pair of the row under the block mask
             segments = mb["segments"].tolist() if "segments" in mb and uses_vpo_attention(decoder) else None
             extra = {"vpo_segments": (segments[0], segments[1:])} if segments else {}
@@ -232,7 +232,7 @@ class VPOModule(L.LightningModule):
 
     def _rows_with_gradient(self, ro: Rollout) -> Rollout:
         """``ro`` without the chains whose loss is exactly zero (zero advantage when beta = 0; see
-        :func:`~vpo_lightning.dynamic_sampling.rows_to_train`): their forward and backward passes are skipped."""
+        :func:`~vpo_lightning.core.dynamic_sampling.rows_to_train`): their forward and backward passes are skipped."""
         return _select_rows(ro, rows_to_train(ro.advantages, self.loss_settings.beta))
 
     def _mini_batch_parts(self, ro: Rollout) -> list[tuple[Rollout, Rollout]]:

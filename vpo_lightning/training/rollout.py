@@ -23,22 +23,21 @@ import torch
 from jsonargparse import lazy_instance
 from torch import Tensor
 
-from vpo_lightning import metrics
-from vpo_lightning.advantages import ESTIMATORS, max_at_k_default, set_rewards
-from vpo_lightning.checkpointing import pause_point
-from vpo_lightning.dynamic_sampling import DynamicSamplingSettings, Round, fill_batch
-from vpo_lightning.engines import Engine, Generation, SamplingSettings, TransformersEngine
-from vpo_lightning.models import prompt_token_ids
-from vpo_lightning.protocol import (
+from vpo_lightning.core import metrics
+from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
+from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.protocol import (
     ChainProtocol,
     Estimator,
-    Rollout,
     build_rollout_tensors,
     derive_seed,
     engine_logprob_tensor,
 )
-from vpo_lightning.records import template_tools
-from vpo_lightning.rewards import RewardScores
+from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
+from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
+from vpo_lightning.generation.models import prompt_token_ids
+from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.records import template_tools
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
 
@@ -183,8 +182,9 @@ class RolloutCallback(L.Callback):
     def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0,
                 pool: list[dict] | None = None) -> Rollout:
         """Sample, score and compute advantages for ``batch``; with dynamic sampling on a training step (step >= 0),
-        refill flat groups with prompts from ``pool`` (the training records; see :mod:`~vpo_lightning.dynamic_sampling`)
-        and replace ``batch["records"]``/``["indices"]`` with the groups kept."""
+        refill flat groups with prompts from ``pool`` (the training records; see
+        :mod:`~vpo_lightning.core.dynamic_sampling`) and replace ``batch["records"]``/``["indices"]`` with the groups
+        kept."""
         records: list[dict] = batch["records"]
         indices = batch.get("indices", list(range(len(records))))
         rnd = self._round(pl_module, records, indices, step, rank)

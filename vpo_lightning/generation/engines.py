@@ -15,12 +15,14 @@ import inspect
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from vpo_lightning.core.types import Generation
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +50,6 @@ class SamplingSettings:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class Generation:
-    """What an engine returns for N = B * G chains (chain n belongs to prompt n // G)."""
-
-    completion_ids: list[list[int]]  # N lists of generated token ids (EOS included when it was produced)
-    texts: list[str]  # N decoded completions, special tokens removed
-    num_tokens: int  # generated tokens in total
-    engine_logprobs: list[list[float]] | None = None  # per-token log-probs reported by the engine, if any
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -231,9 +222,9 @@ class TransformersEngine(Engine):
             ``max_new_tokens`` (``PreallocatedKVLayer``) instead of growing it by concatenation at every step; the
             same tokens, less copying.
         decode_loop: with ``share_prompt_prefix``, decode with this engine's own loop over the model's forward
-            (:mod:`vpo_lightning.decoding`: inverse-CDF sampling instead of ``torch.multinomial``) instead of
-            ``model.generate``. (The single decode query's attention is :mod:`vpo_lightning.attention`'s, which
-            models loaded with SDPA use in either case.) The same model, distribution and settings; other random
+            (:mod:`vpo_lightning.generation.decoding`: inverse-CDF sampling instead of ``torch.multinomial``) instead of
+            ``model.generate``. (The single decode query's attention is :mod:`vpo_lightning.generation.attention`'s,
+            which models loaded with SDPA use in either case.) The same model, distribution and settings; other random
             draws for the same seed; per-token log-probs reported for ``train/engine_logprob_gap``.
         merge_lora: on CPU, run each rollout with the LoRA adapter merged into a copy of the base weights (the
             originals are put back untouched; skipped for quantized bases and DoRA, and on GPUs, where the copy
@@ -241,11 +232,12 @@ class TransformersEngine(Engine):
             the merged weights round once to the model dtype, so log-probs differ from the unmerged policy's by
             rounding (logged as ``train/engine_logprob_gap`` with ``decode_loop``).
         pack_weights: on CPU, multiply with oneDNN-prepacked copies of the linear weights during each rollout
-            (:func:`~vpo_lightning.decoding.packed_linears`; ~1.6x faster products at decode's 16 rows in bf16, ~2x
-            in float32; float32 results differ by summation order). Costs a copy of the weights while generating.
+            (:func:`~vpo_lightning.generation.decoding.packed_linears`; ~1.6x faster products at decode's 16 rows in
+            bf16, ~2x in float32; float32 results differ by summation order). Costs a copy of the weights while
+            generating.
         fused_decode: with ``decode_loop``, on CPU, for Llama-family models (``llama``, ``mistral``, ``qwen2``):
-            prefill and decode through :class:`~vpo_lightning.fused_decode.FusedDecoder` instead of the model's
-            forward: the same arithmetic from merged (``merge_lora``), fused and prepacked (``pack_weights``)
+            prefill and decode through :class:`~vpo_lightning.generation.fused_decode.FusedDecoder` instead of the
+            model's forward: the same arithmetic from merged (``merge_lora``), fused and prepacked (``pack_weights``)
             weights, without transformers' per-module overhead. Another implementation of the forward, so its
             log-probs differ from the trainer's by rounding (``train/engine_logprob_gap``). Other models, quantized
             bases, DoRA and ``merge_lora=False`` with an adapter fall back to the model's forward.
@@ -298,9 +290,9 @@ class TransformersEngine(Engine):
                 fused: Any = None) -> tuple[list[list[int]], list[list[float]]]:
         """This engine's decode loop: the shared prefill, then one forward per new token for all ``b * G`` rows
         (finished rows get ``pad_id``, as ``generate`` does), until every row has produced EOS or the budget.
-        With ``fused`` (a :class:`~vpo_lightning.fused_decode.FusedDecoder`) the prefill and each step run through
-        it instead of the model's forward."""
-        from vpo_lightning.decoding import sample_next
+        With ``fused`` (a :class:`~vpo_lightning.generation.fused_decode.FusedDecoder`) the prefill and each step run
+        through it instead of the model's forward."""
+        from vpo_lightning.generation.decoding import sample_next
 
         budget = sampling.max_new_tokens
         if fused is not None:
@@ -337,7 +329,7 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
                  seeds: list[int] | None = None) -> Generation:
-        from vpo_lightning.decoding import fast_linears
+        from vpo_lightning.generation.decoding import fast_linears
 
         model, tok = module.policy, module.tokenizer
         was_training = model.training
@@ -351,7 +343,7 @@ class TransformersEngine(Engine):
         try:
             fused = None
             if self.fused_decode and logprobs is not None and on_cpu:
-                from vpo_lightning.fused_decode import FusedDecoder
+                from vpo_lightning.generation.fused_decode import FusedDecoder
 
                 fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
             with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights) if fused is None
@@ -419,7 +411,7 @@ class VLLMEngine(Engine):
 
     def engine_kwargs(self, module: Any) -> dict[str, Any]:
         """Arguments for ``vllm.LLM``: the base model (never merged), LoRA on, bitsandbytes for a 4-bit base."""
-        from vpo_lightning.models import resolve_dtype, resolve_model_path
+        from vpo_lightning.generation.models import resolve_dtype, resolve_model_path
 
         settings = module.model_settings
         kwargs = {
@@ -438,7 +430,7 @@ class VLLMEngine(Engine):
         if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
             raise ImportError(
                 "rollout.engine=VLLMEngine needs vLLM and a CUDA GPU: pip install 'vpo-lightning[vllm]' on a GPU "
-                "machine, or use rollout.engine.class_path=vpo_lightning.engines.TransformersEngine"
+                "machine, or use rollout.engine.class_path=vpo_lightning.generation.engines.TransformersEngine"
             )
         from vllm import LLM
 
@@ -448,7 +440,7 @@ class VLLMEngine(Engine):
     def export_adapter(self, module: Any) -> Path:
         """Write the current adapter in PEFT format to a fresh versioned directory and return it. vLLM holds the raw
         base, so a run started from ``model.adapter`` exports that adapter stacked with the trained one (export.py)."""
-        from vpo_lightning.export import save_policy_adapter
+        from vpo_lightning.generation.adapters import save_policy_adapter
 
         if self.adapter_dir is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="vpo-adapter-")

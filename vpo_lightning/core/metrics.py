@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vpo_lightning.advantages import sample_weights
+from vpo_lightning.core.advantages import sample_weights
 
 __all__ = [
     "best_at_k_curve",

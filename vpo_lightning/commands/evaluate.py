@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vpo_lightning.export import refresh_card
-from vpo_lightning.runs import (
+from vpo_lightning.commands.runs import (
     add_run_args,
     event_files,
     find_config,
@@ -41,7 +40,8 @@ from vpo_lightning.runs import (
     pick_device,
     read_scalars,
 )
-from vpo_lightning.tools import parse_args, run_command
+from vpo_lightning.commands.tools import parse_args, run_command
+from vpo_lightning.generation.adapters import refresh_card
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
 # ---- prompts --------------------------------------------------------------------------------------------------
 def select_prompts(records: list[dict], tokenizer: Any, max_prompts: int, max_tokens: int, seed: int) -> list[dict]:
     """A seeded random sample of ``max_prompts`` records whose chat prompt has at most ``max_tokens`` tokens."""
-    from vpo_lightning.models import prompt_token_ids
-    from vpo_lightning.records import template_tools
+    from vpo_lightning.generation.models import prompt_token_ids
+    from vpo_lightning.training.records import template_tools
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
@@ -153,9 +153,9 @@ class PromptPool:
 class Sampler:
     """What sampling outside training needs: the chain protocol, an engine and its sampling settings."""
 
-    protocol: Any  # vpo_lightning.protocol.ChainProtocol
-    engine: Any  # vpo_lightning.engines.Engine
-    sampling: Any  # vpo_lightning.engines.SamplingSettings
+    protocol: Any  # vpo_lightning.core.protocol.ChainProtocol
+    engine: Any  # vpo_lightning.generation.engines.Engine
+    sampling: Any  # vpo_lightning.generation.engines.SamplingSettings
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], estimator: str | None = None) -> Sampler:
@@ -163,9 +163,9 @@ class Sampler:
 
 
 def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
-    """The run's :class:`vpo_lightning.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
+    """The run's :class:`vpo_lightning.core.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
     configured like training from the config's ``rollout:`` section."""
-    from vpo_lightning.protocol import ChainProtocol
+    from vpo_lightning.core.protocol import ChainProtocol
 
     ro = cfg["rollout"]
     return ChainProtocol(
@@ -180,7 +180,7 @@ def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
     """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and the evaluation sampling
     settings: the training ``sampling`` with ``rollout.eval_temperature`` (default 0.7) and ``rollout.eval_top_p``
     (default 1.0), as the reference evaluates held-out pools."""
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
     ro = cfg["rollout"]
     init = (ro.get("engine") or {}).get("init_args") or {}
@@ -192,8 +192,8 @@ def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
 
 def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
     """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
-    from vpo_lightning.models import prompt_token_ids
-    from vpo_lightning.records import template_tools
+    from vpo_lightning.generation.models import prompt_token_ids
+    from vpo_lightning.training.records import template_tools
 
     tools = template_tools(record)
     return [prompt_token_ids(tokenizer, messages, tools) for messages in protocol.chain_messages(record, chains, seed)]
@@ -210,7 +210,7 @@ def generate_rows(run: Sampler, ns: Any, per_record: list[list[list[int]]]) -> A
 
 def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
     """One engine call for all chains of ``records``; split the scored result back per prompt."""
-    from vpo_lightning.protocol import derive_seed
+    from vpo_lightning.core.protocol import derive_seed
 
     per_record = [prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed) for rec in records]  # [b][chains]
     torch.manual_seed(derive_seed(seed, "eval", call))
@@ -252,8 +252,8 @@ def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[flo
     """Section 6 metrics of one prompt's pool (absent candidates count as zero-reward solutions in best@k, whose
     scalar f is the mean over dimensions, or the weighted mean with the task's ``f_weights``). With per-record D
     (``pool.dims``) every metric reads the record's real dimensions only."""
-    from vpo_lightning import metrics
-    from vpo_lightning.protocol import derive_seed
+    from vpo_lightning.core import metrics
+    from vpo_lightning.core.protocol import derive_seed
 
     rewards = pool.real_rewards()  # [C, m, D']
     if pool.dims is not None and f_weights is not None:
@@ -285,7 +285,7 @@ def prompt_metrics(pool: PromptPool, seed: int, orders: int, f_weights: list[flo
 
 def aggregate_metrics(pools: list[PromptPool], per_prompt: list[dict], dim_names: list[str], seed: int) -> dict:
     """Metrics over all prompts: curves averaged over prompts; set metrics from the stacked ``[P, n, D]`` pool."""
-    from vpo_lightning import metrics
+    from vpo_lightning.core import metrics
 
     rewards = torch.stack([p.rewards for p in pools])  # [P, C, m, D]
     mask = torch.stack([p.mask for p in pools])  # [P, C, m]
@@ -433,7 +433,7 @@ def _check_args(args: argparse.Namespace, m: int) -> None:
 
 def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, int, list[dict]]:
     """``(data file, max prompt tokens, the selected records)``."""
-    from vpo_lightning.records import read_records
+    from vpo_lightning.training.records import read_records
 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
@@ -490,7 +490,7 @@ def chain_tensors(chains: list[dict], dim: int) -> tuple[Tensor, Tensor]:
 def pools_from_samples(src: Path, report: dict[str, Any], chains: int, tokenizer: Any) -> list[PromptPool]:
     """The first ``chains`` chains of each prompt of an earlier evaluation (its ``samples.jsonl``, sampling order);
     a chain's tokens are its text re-tokenised plus EOS (the file keeps no ids)."""
-    from vpo_lightning.records import read_records
+    from vpo_lightning.training.records import read_records
 
     records = {r.get("id"): r for r in read_records(report["data_file"])}
     rows = read_samples(src)
@@ -511,7 +511,7 @@ def run_from_samples(args: argparse.Namespace) -> Path:
     """``--from_samples``: the metrics of the first ``--n`` solutions of an earlier evaluation, nothing sampled."""
     import json
 
-    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.generation.models import load_tokenizer
 
     src = Path(args.from_samples)
     if not (src / "eval.json").is_file() or not (src / "samples.jsonl").is_file():
@@ -539,7 +539,7 @@ def run_from_samples(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     """Evaluate as ``args`` says; returns the output directory."""
-    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.generation.models import load_tokenizer
 
     if args.from_samples:
         return run_from_samples(args)

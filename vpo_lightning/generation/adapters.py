@@ -1,4 +1,4 @@
-"""Artifacts a plain PEFT / transformers / vLLM user can load: self-contained adapters, merged weights, model cards.
+"""PEFT adapter folders a plain PEFT / transformers / vLLM user can load: stacked LoRA weights, tokenizer, model card.
 
 A two-stage run (``model.model.adapter``: the SFT adapter merged into the base, a new LoRA trained on top) computes
 ``W + s1 B1 A1 + s2 B2 A2``. Saving only the new LoRA would name the raw base and silently drop the first stage, so
@@ -9,16 +9,12 @@ the exported adapter stacks both into one LoRA of rank r1 + r2 with the scalings
 so that ``B A = s1 B1 A1 + s2 B2 A2`` exactly. A module adapted in one stage only gets zeros in the other's rows
 (exact, and every module has the same rank, which vLLM needs). The adapter folder also carries the tokenizer (with
 its chat template), ``vpo_adapter.json`` (what the folder holds, for `vpo eval/serve/search/export`) and a filled
-model card. ``vpo export`` writes merged full weights for engines that take no adapter.
-
-    vpo export --adapter checkpoints/tooluse-vpo/adapters/last                 # -> checkpoints/tooluse-vpo/merged/last
-    vpo export --ckpt checkpoints/tooluse-vpo/last.ckpt --out /tmp/merged --dtype bf16
-    vpo export --adapter DIR --push_to_hub --hub_model_id you/tooluse-vpo       # the merged weights, to the hub
+model card. The checkpoint callback writes these folders, the vLLM engine its synced LoRA; ``vpo export``
+(:mod:`vpo_lightning.commands.export`) writes merged full weights for engines that take no adapter.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -45,7 +41,7 @@ _UNSUPPORTED = {  # adapter_config.json entries a stacked linear LoRA cannot exp
 def base_model_id(name: str) -> str:
     """What ``adapter_config.json`` should name as the base: the hub id of a built-in alias, the local directory
     where the base really is local (a HF directory, a converted .gguf, the tiny test model), else the hub id given."""
-    from vpo_lightning.models import ALIAS_HUB_IDS, TINY_MODEL, resolve_model_path
+    from vpo_lightning.generation.models import ALIAS_HUB_IDS, TINY_MODEL, resolve_model_path
 
     if name in ALIAS_HUB_IDS:
         return ALIAS_HUB_IDS[name]
@@ -110,8 +106,7 @@ def stack_loras(stages: list[tuple[dict[str, tuple[Tensor, Tensor]], float]]) ->
 
 @functools.lru_cache(maxsize=4)
 def _read_adapter(path: str, mtime: float) -> tuple[dict[str, Any], dict[str, tuple[Tensor, Tensor]]]:
-    from vpo_lightning.models import check_adapter_dir
-    from vpo_lightning.runs import adapter_weights_file
+    from vpo_lightning.generation.models import check_adapter_dir
 
     folder = check_adapter_dir(path)
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -127,8 +122,6 @@ def _read_adapter(path: str, mtime: float) -> tuple[dict[str, Any], dict[str, tu
 
 def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[Tensor, Tensor]]]:
     """``(adapter_config, lora pairs)`` of a PEFT adapter directory (cached while the files are unchanged)."""
-    from vpo_lightning.runs import adapter_weights_file
-
     return _read_adapter(str(path), adapter_weights_file(Path(path)).stat().st_mtime)
 
 
@@ -163,7 +156,7 @@ def save_policy_adapter(policy: Any, out: Path, start_adapter: str | None = None
 def _shipped_tokenizer(model_name: str) -> Any:
     from transformers import AutoTokenizer
 
-    from vpo_lightning.models import resolve_model_path
+    from vpo_lightning.generation.models import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(model_name))
 
@@ -312,87 +305,9 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: 
                              commit_message=f"vpo-lightning: {Path(folder).name}")
 
 
-# ---- vpo export ---------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    """The ``vpo export`` argument parser."""
-    from vpo_lightning.runs import add_run_args
-
-    p = argparse.ArgumentParser(prog="vpo export", description="Write the trained policy as merged full weights "
-                                "(a plain transformers model directory with its tokenizer) for engines that take "
-                                "no adapter; optionally push it to the Hugging Face hub.")
-    add_run_args(p)
-    p.add_argument("--out", help="output directory (default: checkpoints/<run>/merged/<weights name>)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="saved dtype (default: fp32)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds an export")
-    p.add_argument("--push_to_hub", action="store_true", help="upload the export to --hub_model_id")
-    p.add_argument("--hub_model_id", help="hub repo <user or org>/<name> for --push_to_hub")
-    p.add_argument("--private", action="store_true", help="create the hub repo as private")
-    return p
-
-
-def _export_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's config, or for a self-contained adapter without one, its recorded model name."""
-    from vpo_lightning.runs import find_config, load_config
-
-    if not (args.ckpt or args.adapter):
-        raise ValueError("give --adapter DIR or --ckpt FILE (the trained policy to export)")
-    try:
-        return load_config(find_config(args.config, args.ckpt, args.adapter), args.overrides)
-    except ValueError:
-        meta = read_meta(args.adapter) if args.adapter else None
-        if meta is None:
-            raise
-        return {"model": {"model": {"name": meta["model_name"], "dtype": "fp32"}}}
-
-
-def default_export_dir(args: argparse.Namespace) -> Path:
-    """``checkpoints/<run>/merged/<name>``: beside the run's checkpoints, one folder per exported weights."""
-    weights = Path(args.ckpt or args.adapter)
-    run_dir = weights.parent if args.ckpt else weights.parent.parent
-    return run_dir / "merged" / (weights.stem if args.ckpt else weights.name)
-
-
-def run(args: argparse.Namespace) -> Path:
-    """Merge and save as ``args`` say; returns the output directory."""
-    from vpo_lightning.models import _DTYPES
-    from vpo_lightning.runs import load_model
-
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id <user or org>/<name>")
-    out = Path(args.out) if args.out else default_export_dir(args)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise ValueError(f"--out {out} is not empty: pass --overwrite to replace it, or another --out")
-    cfg = _export_config(args)
-    cfg.setdefault("model", {}).setdefault("model", {})["dtype"] = "fp32"  # merge in fp32, cast when saving
-    model, settings, info = load_model(cfg, torch.device("cpu"), ckpt=args.ckpt, adapter=args.adapter)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model = model.to(_DTYPES[args.dtype])
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    save_tokenizer(settings.name, tmp)
-    (tmp / "vpo_export.json").write_text(json.dumps({"format": "vpo-export/1", "model_name": settings.name,
-                                                    "base_model": base_model_id(settings.name), "dtype": args.dtype,
-                                                    **{k: info[k] for k in ("ckpt", "adapter", "global_step")}},
-                                                   indent=1) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    if args.push_to_hub:
-        push_folder(out, args.hub_model_id, private=args.private)
-    return out
-
-
-def main(argv: list[str]) -> int:
-    """Entry point of ``vpo export``."""
-    from vpo_lightning.tools import report_error
-
-    args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
-        return report_error("vpo export", err)
-    print(f"wrote {out} (load it with AutoModelForCausalLM.from_pretrained, or `vllm serve {out}`)")
-    return 0
-
+def adapter_weights_file(adapter: Path) -> Path:
+    """The weights file of a PEFT adapter directory."""
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (adapter / name).is_file():
+            return adapter / name
+    raise FileNotFoundError(f"--adapter {str(adapter)!r}: no adapter_model.safetensors in it (not a PEFT adapter)")

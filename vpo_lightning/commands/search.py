@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.runs import add_run_args
-from vpo_lightning.tools import parse_args, run_command
+from vpo_lightning.commands.runs import add_run_args
+from vpo_lightning.commands.tools import parse_args, run_command
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
 
     Args:
         ns: what the engine needs (``policy``, ``tokenizer``, ``device``, ``model_settings``).
-        sampler: an :class:`vpo_lightning.evaluate.Sampler` (chain protocol, engine, sampling settings).
+        sampler: an :class:`vpo_lightning.commands.evaluate.Sampler` (chain protocol, engine, sampling settings).
         records: the problems.
         budget: candidate solutions per problem.
         mode: ``best_of_k`` or ``rejection``.
@@ -117,8 +117,8 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
     Returns:
         One :class:`ProblemState` per record, in order.
     """
-    from vpo_lightning.evaluate import generate_rows, prompt_rows
-    from vpo_lightning.protocol import derive_seed
+    from vpo_lightning.commands.evaluate import generate_rows, prompt_rows
+    from vpo_lightning.core.protocol import derive_seed
 
     protocol = sampler.protocol
     m, total = protocol.m, chains_for(budget, protocol.m)
@@ -200,9 +200,9 @@ def aggregate(problems: list[dict[str, Any]], budget: int) -> dict[str, Any]:
 def load_records(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, list[dict]]:
     """``(data file, records)``: the split's problems under the prompt-length limit; a seeded sample with
     ``--max_prompts``, else all of them in file order."""
-    from vpo_lightning.evaluate import default_data_file, select_prompts
-    from vpo_lightning.models import prompt_token_ids
-    from vpo_lightning.records import read_records, template_tools
+    from vpo_lightning.commands.evaluate import default_data_file, select_prompts
+    from vpo_lightning.generation.models import prompt_token_ids
+    from vpo_lightning.training.records import read_records, template_tools
 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
@@ -227,8 +227,8 @@ def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
 
 def run(args: argparse.Namespace) -> Path:
     """Search as ``args`` says; returns the output directory (holding search.json)."""
-    from vpo_lightning import evaluate, runs
-    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.commands import evaluate, runs
+    from vpo_lightning.generation.models import load_tokenizer
 
     if args.budget < 1 or args.prompts_per_call < 1 or args.chains_per_round < 1 or args.max_prompts < 0:
         raise ValueError("--budget, --prompts_per_call and --chains_per_round must be >= 1 (--max_prompts >= 0)")

@@ -10,8 +10,8 @@ here removes one of these without changing what is sampled:
   row through the cumulative distribution (the same distribution; other draws than ``multinomial``'s for the same
   seed). It also returns the token's log-probability under ``softmax(logits / T)``, which is what the trainer
   computes, so the engine can report it.
-- :func:`vpo_lightning.attention.decode_attention`: attention for one query per row as a grouped matmul (bf16 on
-  CPU), ``scaled_dot_product_attention`` for anything else.
+- :func:`vpo_lightning.generation.attention.decode_attention`: attention for one query per row as a grouped matmul
+  (bf16 on CPU), ``scaled_dot_product_attention`` for anything else.
 - :func:`merged_lora`: the adapter's ``B @ A * scale`` added to fresh copies of the base weights for the duration of
   a rollout, with the adapter disabled; the original weight tensors are put back untouched afterwards.
 - :func:`packed_linears`: oneDNN-prepacked weights for the small-row products of a decode step (CPU);

@@ -432,21 +432,21 @@ def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool
 
 
 def load_policy(
-    settings: ModelSettings, device: torch.device | str | None = None
+    settings: ModelSettings, device: torch.device | str | None = None, *, reference: bool = True
 ) -> tuple[nn.Module, nn.Module | None]:
-    """Load the trainable policy and, for full fine-tuning, a frozen reference copy.
+    """Load the trainable policy and, for full fine-tuning with ``reference``, a frozen reference copy.
 
     Returns:
         ``(policy, reference)``; ``reference`` is None with LoRA, where the reference is the policy with its
-        adapters disabled (``with policy.disable_adapter(): ...``).
+        adapters disabled (``with policy.disable_adapter(): ...``), and without ``reference`` (``vpo sft``).
     """
     base = load_base_model(settings, device)
     if settings.lora.enabled:
         return wrap_lora(base, settings.lora, settings.gradient_checkpointing), None
-    reference = load_base_model(settings, device).eval().requires_grad_(False)
+    frozen = load_base_model(settings, device).eval().requires_grad_(False) if reference else None
     if settings.gradient_checkpointing:
         enable_activation_checkpointing(base)
-    return base, reference
+    return base, frozen
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from torch import Tensor, nn
@@ -27,8 +25,9 @@ from vpo_lightning.core.losses import masked_mean, per_token_logprobs, policy_lo
 from vpo_lightning.core.packing import packed_micro_batches, packing_enabled
 from vpo_lightning.core.types import Rollout
 from vpo_lightning.generation.attention import uses_vpo_attention
-from vpo_lightning.generation.models import ModelSettings, count_parameters, load_policy, load_tokenizer
+from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.policy import PolicyModule, peak_rss_gb
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def _micro_batches(ro: Rollout, size: int) -> list[dict[str, Tensor]]:
     return out
 
 
-class VPOModule(L.LightningModule):
+class VPOModule(PolicyModule):
     """Policy + reference + the VPO training step.
 
     Args:
@@ -138,31 +137,12 @@ class VPOModule(L.LightningModule):
         loss: LossSettings = LossSettings(),  # noqa: B008
         optim: OptimSettings = OptimSettings(),  # noqa: B008
     ) -> None:
-        super().__init__()
-        self.model_settings, self.loss_settings, self.optim_settings = model, loss, optim
+        super().__init__(model, optim)
+        self.loss_settings = loss
         self.save_hyperparameters()
-        self.automatic_optimization = False
-        self.strict_loading = False  # checkpoints hold only trainable weights (the adapter)
-        self.policy: nn.Module | None = None
-        self.reference: nn.Module | None = None
-        self.tokenizer: Any = None
         self.reward_dim_names: list[str] = []
-        self._bad_steps = 0
 
     # ---- models ---------------------------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        if self.policy is not None:  # idempotent
-            return
-        self.tokenizer = load_tokenizer(self.model_settings.name)
-        device = self.device if self.device.type == "cuda" else None
-        self.policy, self.reference = load_policy(self.model_settings, device)
-        trainable, total = count_parameters(self.policy)
-        log.info("policy %s: %s trainable of %s parameters", self.model_settings.name, f"{trainable:,}", f"{total:,}")
-
-    @property
-    def uses_lora(self) -> bool:
-        return self.model_settings.lora.enabled
-
     def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return base.get_decoder(), base.get_output_embeddings()
@@ -337,7 +317,8 @@ class VPOModule(L.LightningModule):
                 if not ok:  # the update is dropped; the next one starts from clean gradients
                     skipped, bad_stats = skipped + 1, bad_stats or stats
                 all_stats.append(stats)
-        self._guard(skipped == 0, bad_stats or {})  # counts rollouts: one with a dropped update is a bad step
+        # counts rollouts: one with a dropped update is a bad step
+        self._guard(skipped == 0, (bad_stats or {}).get("loss"))
         keys = dict.fromkeys(k for s in all_stats for k in s)  # an update with no chain to train logs only its loss
         stats = {k: sum(s[k] for s in all_stats if k in s) / sum(k in s for s in all_stats) for k in keys}
         gap = gap_sum / gap_tokens if gap_tokens else None
@@ -348,7 +329,7 @@ class VPOModule(L.LightningModule):
         logged.update({
             "train/grad_norm": grad_norm, "train/train_time_s": step_time, "train/skipped_steps": float(skipped > 0),
             "train/skipped_updates": float(skipped), "train/updates": float(updates),
-            "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": _peak_rss_gb(),
+            "train/trained_tokens_per_s": trained / max(step_time, 1e-9), "train/peak_rss_gb": peak_rss_gb(),
             "train/lr": self.lr_schedulers().get_last_lr()[0],
             "train/skipped_chains": float(len(ro.advantages) - sum(len(t.advantages) for _, t, _ in prepared)),
         })
@@ -361,21 +342,6 @@ class VPOModule(L.LightningModule):
                 "parsed": ro.metrics.get("chains/candidate_parse_rate", 0.0),
                 "tok/s": ro.metrics.get("rollout/tokens_per_s", 0.0)}
         self.log_dict(prog, prog_bar=True, logger=False, batch_size=1)
-
-    def _guard(self, ok: bool, stats: dict[str, float]) -> None:
-        """Count steps (rollouts) with a non-finite update (each such update was dropped, never applied); stop after
-        ``max_bad_steps`` in a row (the last good checkpoint stays)."""
-        if ok:
-            self._bad_steps = 0
-            return
-        self._bad_steps += 1
-        log.warning("non-finite loss or gradient (loss=%s): update dropped, a bad step (%d in a row)",
-                    stats.get("loss"), self._bad_steps)
-        if self._bad_steps >= self.optim_settings.max_bad_steps:
-            raise FloatingPointError(
-                f"{self._bad_steps} non-finite steps in a row (optim.max_bad_steps). The last checkpoint holds the "
-                "last good state; lower optim.lr, set model.dtype=fp32, or raise optim.max_bad_steps."
-            )
 
     def on_train_end(self) -> None:
         """Check that every rank ended with the same trainable weights (DDP keeps them in sync; say so if not)."""
@@ -395,24 +361,3 @@ class VPOModule(L.LightningModule):
         keys = [k for k in ro.metrics if k.startswith(("reward/", "diversity/", "chains/"))]
         self.log_dict({f"val/{k}": ro.metrics[k] for k in keys}, batch_size=len(batch["records"]),
                       sync_dist=self.trainer.world_size > 1)
-
-    # ---- optimiser and checkpoints --------------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        o = self.optim_settings
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (o.warmup_steps + 1)))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only trainable weights (the adapter, or all policy weights for full fine-tuning)."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["vpo_bad_steps"] = self._bad_steps
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._bad_steps = checkpoint.get("vpo_bad_steps", 0)
-
-
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux

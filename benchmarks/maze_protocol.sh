@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
 fi
-vpo() { "$PY" -m vpo_lightning.training.cli "$@"; }
+vpo() { "$PY" -m vpo_lightning.cli "$@"; }
 RESULTS_REPO=${RESULTS_REPO:-.}
 RESULTS_DIR=${RESULTS_DIR:-docs/results/maze}
 

@@ -242,3 +242,33 @@ def test_module_paths_in_docs_exist(doc):
         if "<" not in ref and not (REPO / ref).exists():
             problems.append(f"{ref}: no such file or folder")
     assert not problems, f"{doc.relative_to(REPO)} names module paths that do not exist:\n" + "\n".join(problems)
+
+
+# ---- the old module paths --------------------------------------------------------------------------------------
+def test_old_module_paths_are_the_moved_modules():
+    """VPO-SPEC section 3's ``vpo_lightning.advantages``, class paths in older run configs and pickled checkpoints
+    name the modules that used to sit at the top of the package: each old path is the moved module itself."""
+    import importlib
+    import io
+    import pickle
+
+    for old, new in vpo_lightning.MOVED.items():
+        assert importlib.import_module(f"vpo_lightning.{old}") is importlib.import_module(f"vpo_lightning.{new}"), old
+    from vpo_lightning.core import advantages
+    from vpo_lightning.generation.models import ModelSettings
+
+    spec_api = ("sample_weights", "set_rewards", "vpo_advantages", "group_normalize")  # VPO-SPEC section 3
+    namespace: dict = {}
+    exec(f"from vpo_lightning.advantages import {', '.join(spec_api)}", namespace)
+    assert all(namespace[name] is getattr(advantages, name) for name in spec_api)
+
+    unpickler = pickle.Unpickler(io.BytesIO(b""))
+    assert unpickler.find_class("vpo_lightning.models", "ModelSettings") is ModelSettings
+    assert importlib.import_module("vpo_lightning.core.advantages").__spec__.name == "vpo_lightning.core.advantages"
+
+
+def test_python_m_vpo_lightning_cli_is_the_vpo_command():
+    proc = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: vpo COMMAND") and "\n  replicates " in proc.stdout

@@ -327,7 +327,7 @@ def test_close_ends_keep_alive_connections(server):
 
 def test_decode_json_limits():
     from vpo_lightning.serve import APIError, decode_json
-    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, value_depth
+    from vpo_lightning.serve.openai_api import MAX_JSON_DEPTH, value_depth
 
     assert value_depth(json.loads('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}')) == 3  # strings do not count
     assert value_depth([]) == 1 and value_depth("x") == 0

@@ -26,7 +26,7 @@ strings are checked per sequence while generating. Requests with other parameter
 Limits: request bodies over ``--max-request-bytes`` get 413, more than ``--max-concurrency`` requests in flight get
 429 (OpenAI clients retry those), ``n`` above ``--max-n`` and ``max_tokens`` above ``--max-tokens-limit`` or past
 the model's context get 400, and so does every malformed body (wrong types, nesting deeper than 64, integers of more
-than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.protocol`; the body is
+than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.openai_api`; the body is
 checked in linear time). Messages longer than the context could hold (context x the longest token's characters) get
 400 before any tokenization; prompts over 16k characters are tokenized by a second tokenizer copy, so long prompts
 wait for each other, never short ones. Errors use OpenAI's shape: ``{"error": {"message", "type", "param",
@@ -68,7 +68,7 @@ import torch
 
 from vpo_lightning.commands.tools import parse_args
 from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job
-from vpo_lightning.serve.protocol import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
+from vpo_lightning.serve.openai_api import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
 from vpo_lightning.training.runtime import report_error
 
 log = logging.getLogger(__name__)

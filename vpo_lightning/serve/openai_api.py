@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions protocol of ``vpo serve``: errors, limits, and request validation (no HTTP, no model).
+"""The OpenAI chat-completions API of ``vpo serve``: errors, limits, and request validation (no HTTP, no model).
 
 Every malformed request becomes an :class:`APIError` with a 4xx status and OpenAI's error shape
 (``{"error": {"message", "type", "param", "code"}}``), never a 500:

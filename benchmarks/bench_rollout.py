@@ -75,7 +75,8 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
     transformers' static cache and its ``torch.compile`` of the decode forward instead of the shared prefill."""
     from transformers import CompileConfig
 
-    from vpo_lightning.engines import Generation, eos_token_ids, left_pad, trim_completion
+    from vpo_lightning.core.types import Generation
+    from vpo_lightning.generation.engines import eos_token_ids, left_pad, trim_completion
 
     model, tok = module.policy, module.tokenizer
     eos = eos_token_ids(model, tok)
@@ -131,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import cpu_description
     from vs_trl import tooluse_policy
 
-    from vpo_lightning.attention import NAME
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.generation.attention import NAME
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
     module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, args.max_prompt_tokens)
     base = module.policy.get_base_model()

@@ -51,7 +51,7 @@ def _rss_bytes() -> int:
 
 def select_prompts(data: Path, count: int, max_tokens: int, model: str) -> list[dict]:
     """The first ``count`` records of ``data`` whose chat-templated prompt has at most ``max_tokens`` tokens."""
-    from vpo_lightning.models import load_tokenizer, prompt_token_ids
+    from vpo_lightning.generation.models import load_tokenizer, prompt_token_ids
 
     tok = load_tokenizer(model)
     out = []
@@ -71,9 +71,9 @@ def tooluse_policy(model: str, dtype: str, count: int, max_tokens: int) -> tuple
     """The rollout benchmarks' set-up: malloc tuned as ``vpo fit`` tunes it, the policy as ``vpo fit`` builds it
     (``VPOModule``, LoRA r=16 on all linear layers) and the token ids of the first ``count`` tool-use prompts of at
     most ``max_tokens`` tokens (:func:`select_prompts`) under the chat template."""
-    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
-    from vpo_lightning.module import VPOModule
-    from vpo_lightning.runtime import tune_malloc
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings, prompt_token_ids
+    from vpo_lightning.training.module import VPOModule
+    from vpo_lightning.training.runtime import tune_malloc
 
     tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
     records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", count, max_tokens, model)
@@ -148,7 +148,7 @@ def _versions() -> dict[str, str]:
 
 
 def _model_settings(spec: dict):
-    from vpo_lightning.models import LoraSettings, ModelSettings
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings
 
     return ModelSettings(name=spec["model"], dtype=spec["dtype"], gradient_checkpointing=spec["gradient_checkpointing"],
                          lora=LoraSettings(r=16, alpha=32, target_modules="all-linear"))
@@ -159,10 +159,10 @@ def run_ours(spec: dict) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
-    from vpo_lightning.rollout import RolloutCallback
-    from vpo_lightning.runtime import tune_malloc
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.training.module import LossSettings, OptimSettings, VPOModule
+    from vpo_lightning.training.rollout import RolloutCallback
+    from vpo_lightning.training.runtime import tune_malloc
 
     tune_malloc()  # as `vpo fit` does (a no-op when --env sets MALLOC_* for both sides)
     clock = _Clock()
@@ -210,7 +210,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from vpo_lightning.models import load_base_model, load_tokenizer
+    from vpo_lightning.generation.models import load_base_model, load_tokenizer
 
     clock = _Clock()
     B, G = spec["prompts_per_step"], spec["group_size"]
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
     if args.prompts < args.prompts_per_step * args.steps:
         raise SystemExit("--prompts must be >= --prompts-per-step * --steps (every step sees fresh prompts)")
-    from vpo_lightning.models import resolve_dtype
+    from vpo_lightning.generation.models import resolve_dtype
 
     records = select_prompts(args.data, args.prompts, args.max_prompt_tokens, args.model)
     spec = {

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from vpo_lightning.runtime import tune_malloc
+from vpo_lightning.training.runtime import tune_malloc
 
 
 def test_opt_out_env_var_disables_tuning(monkeypatch):

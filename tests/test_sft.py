@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning.chains import build_instruction, parse_chain
-from vpo_lightning.models import ModelSettings, load_base_model, load_tokenizer, prompt_token_ids, wrap_lora
+from vpo_lightning.core.chains import build_instruction, parse_chain
+from vpo_lightning.generation.models import ModelSettings, load_base_model, load_tokenizer, prompt_token_ids, wrap_lora
 from vpo_lightning.sft.data import pack_examples, tokenize_example
 from vpo_lightning.sft.demos import FAMILIES, build_demos, check_training_file, held_out_prompts, prompt_key
 from vpo_lightning.sft.module import lr_factor, row_nll
@@ -136,7 +136,7 @@ def test_adapter_is_the_start_and_the_kl_reference(tiny_model_dir, tmp_path):
     policy, not the raw base; there is one copy of the base (reference is None)."""
     from peft import PeftModel
 
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.module import VPOModule
 
     adapter = _sft_adapter(tmp_path)
     sft = PeftModel.from_pretrained(load_base_model(ModelSettings(**TINY)), str(adapter)).eval()
@@ -169,7 +169,7 @@ def test_adapter_is_the_start_and_the_kl_reference(tiny_model_dir, tmp_path):
 
 
 def test_adapter_full_finetune_reference_is_sft(tiny_model_dir, tmp_path):
-    from vpo_lightning.models import load_policy
+    from vpo_lightning.generation.models import load_policy
 
     adapter = _sft_adapter(tmp_path)
     policy, ref = load_policy(ModelSettings(**{**TINY, "lora": {"enabled": False}}, adapter=str(adapter)))
@@ -375,9 +375,9 @@ def test_vpo_sft_end_to_end(tiny_model_dir, tmp_path):
 
 def test_fit_cli_takes_a_starting_adapter(in_repo):
     """`vpo fit --model.model.adapter DIR` (what `make fit` runs) parses into ModelSettings.adapter."""
-    from vpo_lightning.cli import VPOCLI
-    from vpo_lightning.datamodule import PromptDataModule
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.cli import VPOCLI
+    from vpo_lightning.training.datamodule import PromptDataModule
+    from vpo_lightning.training.module import VPOModule
 
     cli = VPOCLI(VPOModule, PromptDataModule, run=False,
                  args=["--config", "configs/tooluse.yaml", "--trainer.accelerator=cpu",

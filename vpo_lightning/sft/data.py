@@ -1,15 +1,15 @@
 """SFT data: demonstrations tokenised as rollouts see them, a held-out part for the validation loss, and packing.
 
-Tokenisation matches the rollout exactly: the prompt is :func:`vpo_lightning.models.prompt_token_ids` of the
+Tokenisation matches the rollout exactly: the prompt is :func:`vpo_lightning.generation.models.prompt_token_ids` of the
 messages (chat template with the assistant generation prompt), the completion is the demonstration text followed
 by the tokenizer's EOS (where generation stops). Only completion tokens carry loss.
 
 Packing puts several examples in one row ``[prompt_1 | completion_1 | prompt_2 | completion_2 | ...]`` with a
-block-diagonal causal mask (:func:`vpo_lightning.packing.packed_attention_mask` with no shared prompt: each
+block-diagonal causal mask (:func:`vpo_lightning.core.packing.packed_attention_mask` with no shared prompt: each
 example attends only to itself) and position ids that restart at 0 for every example, so a packed row computes
 the same log-probs as the examples one by one, without padding.
 
-Batches come from :class:`vpo_lightning.datamodule.PromptStream` (a seeded order and a position saved in every
+Batches come from :class:`vpo_lightning.training.datamodule.PromptStream` (a seeded order and a position saved in every
 checkpoint), so ``--ckpt_path last`` resumes at the next unseen batch.
 """
 
@@ -25,15 +25,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from vpo_lightning.datamodule import PromptStream, StreamDataModule
-from vpo_lightning.packing import packed_attention_mask
+from vpo_lightning.core.packing import packed_attention_mask
+from vpo_lightning.training.datamodule import PromptStream, StreamDataModule
 
 log = logging.getLogger(__name__)
 
 
 def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], completion: str) -> dict[str, list[int]]:
     """``{"prompt_ids", "completion_ids"}``: the rollout's prompt tokens and the completion's tokens + EOS."""
-    from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.generation.models import prompt_token_ids
 
     prompt = prompt_token_ids(tokenizer, messages)
     comp = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -181,7 +181,7 @@ class SFTDataModule(StreamDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_stream is not None:
             return
-        from vpo_lightning.models import load_tokenizer
+        from vpo_lightning.generation.models import load_tokenizer
 
         if not self.tokenizer:
             raise ValueError("data.tokenizer is not set (the CLI links it to model.model.name)")

@@ -1,7 +1,7 @@
 """Demonstrations for the supervised cold start, built from a task's training records only.
 
 A demonstration is ``{"id", "source_id", "m", "messages", "completion"}``: ``messages`` is the prompt exactly as a
-rollout builds it (the record's messages; for a chain, the m-answer instruction of :mod:`vpo_lightning.chains`
+rollout builds it (the record's messages; for a chain, the m-answer instruction of :mod:`vpo_lightning.core.chains`
 appended to the last user message) and ``completion`` the assistant text the model learns to write. Each training
 record gives one demonstration per entry of ``formats`` (``1`` = single answer, ``m > 1`` = an m-answer chain), so
 that every estimator (GRPO's single answers, VPO's chains) can start from the same SFT adapter.
@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.chains import build_instruction
-from vpo_lightning.datamodule import read_jsonl
+from vpo_lightning.core.chains import build_instruction
 from vpo_lightning.tasks.maze import MOVES, Maze
 from vpo_lightning.tasks.tooluse import format_answer
 from vpo_lightning.tasks.tooluse.reward import gold_calls
+from vpo_lightning.training.datamodule import read_jsonl
 
 HELD_OUT_SPLITS = ("val", "test")
 FAMILIES = {"tooluse": "response", "maze": "route"}

@@ -291,6 +291,25 @@ def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
     assert 0.0 < gold / n < 0.6 and 0.0 < diamond / n < 0.6  # zones by chance, neither side favoured
 
 
+def test_maze_direct_chains_are_completed_with_one_detour_routes():
+    from vpo_lightning.sft.demos import distances_to_exit
+    from vpo_lightning.tasks.maze import Maze, maze_reward
+
+    train = REPO / "data" / "maze" / "5x5" / "train.jsonl"
+    by_id = {r["id"]: r for r in _records(train, 60)}
+    direct = [d for d in build_demos([train], "maze_direct", [1, 3])[0] if d["source_id"] in by_id]
+    shortest = [d for d in build_demos([train], "maze_shortest", [1])[0] if d["source_id"] in by_id]
+    assert [d for d in direct if d["m"] == 1] == shortest  # the same single answers as maze_shortest
+    lengths = []
+    for d in (d for d in direct if d["m"] == 3):
+        record = by_id[d["source_id"]]
+        best = distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
+        routes = parse_chain(d["completion"], 3, "route")
+        assert len(set(routes)) == 3 and all(maze_reward(r, record)[0] == 1.0 for r in routes)
+        lengths += [len(r.split()) - best for r in routes]
+    assert set(lengths) <= {0, 2, 4, 6} and lengths.count(0) + lengths.count(2) >= 0.95 * len(lengths)
+
+
 # ---------------------------------------------------------------------------------------------- CLI, resume
 
 

@@ -92,8 +92,9 @@ class SFTDataModule(StreamDataModule):
         train_files: training JSONL files. With a ``builder``, task records (data/<task>/train.jsonl; val/test
             files are refused); with ``builder: none``, ready demonstrations ``{"messages": [...], "completion":
             str}`` (the messages end with the user turn; the completion is the assistant's reply).
-        builder: tooluse, maze (random walks) or maze_shortest (random shortest routes): demonstrations built
-            from the records (vpo_lightning/sft/demos.py); or none.
+        builder: tooluse, maze (random walks), maze_shortest (random shortest routes) or maze_direct (shortest,
+            then one-detour routes in chains): demonstrations built from the records (vpo_lightning/sft/demos.py);
+            or none.
         formats: answers per demonstration: 1 = single answer, m > 1 = an m-answer chain; [1, 3] gives both,
             so that GRPO (single answers) and VPO (3-answer chains) can start from the same adapter.
         val_fraction: fraction of the training records held out (all their demonstrations) for the validation
@@ -114,7 +115,7 @@ class SFTDataModule(StreamDataModule):
     def __init__(
         self,
         train_files: list[str],
-        builder: Literal["tooluse", "maze", "maze_shortest", "none"] = "none",
+        builder: Literal["tooluse", "maze", "maze_shortest", "maze_direct", "none"] = "none",
         formats: list[int] | None = None,
         val_fraction: float = 0.05,
         max_val_examples: int = 64,

@@ -322,8 +322,10 @@ def distances_to_exit(maze: Maze) -> dict[tuple[int, int], int]:
     return dist
 
 
-def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None) -> list[str]:
-    """A random route from the start that reaches the exit within the budget.
+def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None,
+                slack: int | None = None) -> list[str]:
+    """A random route from the start that reaches the exit within the budget (and, with ``slack``, within
+    ``slack`` moves of the shortest route: a near-shortest route with at most slack/2 detours).
 
     Each move is drawn uniformly among the moves into an open cell from which the exit is still reachable within
     the budget left (so the walk never fails), not turning straight back unless it has to. The walk wanders
@@ -338,12 +340,19 @@ def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], i
     """
     def choices(pos: tuple[int, int], moves: list[str], steps: list[tuple[str, tuple[int, int]]]
                 ) -> list[tuple[str, tuple[int, int]]]:
-        options = [(name, nxt) for name, nxt in steps if len(moves) + 1 + dist[nxt] <= maze.budget]
+        options = [(name, nxt) for name, nxt in steps if len(moves) + 1 + dist[nxt] <= limit]
         back = {"U": "D", "D": "U", "L": "R", "R": "L"}.get(moves[-1]) if moves else None
         return [o for o in options if o[0] != back] or options
 
     dist = distances_to_exit(maze) if dist is None else dist
+    limit = maze.budget if slack is None or maze.start not in dist else min(maze.budget, dist[maze.start] + slack)
     return _route(maze, rng, dist, choices)
+
+
+def near_shortest_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None
+                       ) -> list[str]:
+    """:func:`random_walk` at most 2 moves longer than the shortest route (one detour)."""
+    return random_walk(maze, rng, dist, slack=2)
 
 
 def _route(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int],
@@ -429,8 +438,18 @@ def _demo(record: Mapping[str, Any], m: int, family: str, completion: str) -> di
             "messages": chain_messages(record["messages"], m, family), "completion": completion}
 
 
+def maze_direct_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> list[dict[str, Any]]:
+    """Demonstrations for one maze record (``data.builder: maze_direct``): as :func:`maze_shortest_demos` (the
+    same single answers), but a chain is completed with near-shortest routes (:func:`near_shortest_walk`: one
+    detour) before any longer walk, so that no chain position is taught to wander: with ``maze_shortest`` the
+    third route of most 5x5 chains was a 10-12-move walk, and the model's third routes reached the exit half as
+    often as its first (docs/results_maze.md)."""
+    return _maze_demos(record, formats, seed, (random_shortest_route, near_shortest_walk, random_walk))
+
+
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Sequence[int], int], list[dict[str, Any]]]] = {
     "tooluse": tooluse_demos, "maze": maze_demos, "maze_shortest": maze_shortest_demos,
+    "maze_direct": maze_direct_demos,
 }
 
 

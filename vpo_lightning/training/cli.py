@@ -168,9 +168,11 @@ def _last_checkpoint(run_dir: str) -> str:
     return str(path)
 
 
-def run_lightning(args: list[str]) -> VPOCLI:
-    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are)."""
-    return VPOCLI(
+def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
+    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are).
+    ``cli_class``: a VPOCLI subclass; :func:`vpo_lightning.training.config.fit_parser` builds the parser here and
+    stops before parsing, so the other commands parse configs with exactly this parser."""
+    return cli_class(
         VPOModule,
         PromptDataModule,
         args=args,

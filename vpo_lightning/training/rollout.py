@@ -106,11 +106,8 @@ class RolloutCallback(L.Callback):
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
         self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
                                       reward_workers)  # fails fast on a bad reward name
-        self.reward_names, self.estimator, self.m = self.protocol.reward_names, estimator, self.protocol.m
-        self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
-        self.sampling, self.engine = sampling, engine
-        self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
-        self.reward_vector = self.protocol.reward_vector
+        self.group_size, self.sampling, self.engine = group_size, sampling, engine
+        self.log_samples_every, self.save_completions = log_samples_every, save_completions
         self.max_generated_tokens = max_generated_tokens
         if dynamic_sampling.max_extra_rounds < 0:
             raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
@@ -118,6 +115,40 @@ class RolloutCallback(L.Callback):
         self.dynamic_sampling = dynamic_sampling
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
+
+    # the chain protocol's settings, read from it (one copy)
+    @property
+    def estimator(self) -> str:
+        return self.protocol.estimator
+
+    @property
+    def m(self) -> int:
+        """Answers per chain: ``num_candidates`` for chain methods, 1 for single-answer ones."""
+        return self.protocol.m
+
+    @property
+    def num_weights(self) -> int:
+        return self.protocol.num_weights
+
+    @property
+    def alpha(self) -> float:
+        return self.protocol.alpha
+
+    @property
+    def tag_family(self) -> str:
+        return self.protocol.tag_family
+
+    @property
+    def seed(self) -> int:
+        return self.protocol.seed
+
+    @property
+    def reward_names(self) -> list[str]:
+        return self.protocol.reward_names
+
+    @property
+    def reward_vector(self) -> Any:
+        return self.protocol.reward_vector
 
     def state_dict(self) -> dict[str, Any]:
         return {"generated_tokens": self.generated_tokens}

@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
+from vpo_lightning.training.config import get
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
@@ -130,7 +131,7 @@ class VPOCLI(LightningCLI):
         if self.subcommand in _SUBCOMMANDS_WITH_RUN and cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _last_checkpoint(str(run_dir))
         if training:
-            if not (cfg.get("data") or {}).get("val_files") and "val_files" in (cfg.get("data") or {}):
+            if "val_files" in (cfg.get("data") or {}) and not get(cfg, "data.val_files"):
                 log.info("data.val_files is empty: no validation in this run")
             self.run_folder = run_folders.claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite")))
 

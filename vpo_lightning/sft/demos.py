@@ -336,20 +336,30 @@ def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], i
 
     ``dist`` is :func:`distances_to_exit` of the maze when the caller has it already.
     """
+    def choices(pos: tuple[int, int], moves: list[str], steps: list[tuple[str, tuple[int, int]]]
+                ) -> list[tuple[str, tuple[int, int]]]:
+        options = [(name, nxt) for name, nxt in steps if len(moves) + 1 + dist[nxt] <= maze.budget]
+        back = {"U": "D", "D": "U", "L": "R", "R": "L"}.get(moves[-1]) if moves else None
+        return [o for o in options if o[0] != back] or options
+
     dist = distances_to_exit(maze) if dist is None else dist
+    return _route(maze, rng, dist, choices)
+
+
+def _route(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int],
+           choices: Callable[[tuple[int, int], list[str], list[tuple[str, tuple[int, int]]]],
+                             list[tuple[str, tuple[int, int]]]]) -> list[str]:
+    """Moves from the start to the exit, each drawn uniformly from ``choices(position, moves so far, steps)``,
+    where ``steps`` are the (move, cell) pairs into open cells that can reach the exit; ``[]`` when the exit is
+    out of reach or beyond the budget."""
     if maze.start not in dist or dist[maze.start] > maze.budget:
         return []
     n = len(maze.grid)
     pos, moves = maze.start, []
     while pos != maze.exit:
-        options = []
-        for name, (dr, dc) in MOVES.items():
-            nxt = (pos[0] + dr, pos[1] + dc)
-            if 0 <= nxt[0] < n and 0 <= nxt[1] < n and nxt in dist and len(moves) + 1 + dist[nxt] <= maze.budget:
-                options.append((name, nxt))
-        back = {"U": "D", "D": "U", "L": "R", "R": "L"}.get(moves[-1]) if moves else None
-        forward = [o for o in options if o[0] != back]
-        name, pos = rng.choice(forward or options)
+        steps = [(name, (pos[0] + dr, pos[1] + dc)) for name, (dr, dc) in MOVES.items()
+                 if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < n and (pos[0] + dr, pos[1] + dc) in dist]
+        name, pos = rng.choice(choices(pos, moves, steps))
         moves.append(name)
     return moves
 
@@ -365,17 +375,7 @@ def random_shortest_route(maze: Maze, rng: random.Random, dist: Mapping[tuple[in
     follows from where S and E are (a small model trained on wandering walks ignored them; docs/results_maze.md).
     """
     dist = distances_to_exit(maze) if dist is None else dist
-    if maze.start not in dist or dist[maze.start] > maze.budget:
-        return []
-    n = len(maze.grid)
-    pos, moves = maze.start, []
-    while pos != maze.exit:
-        closer = [(name, (pos[0] + dr, pos[1] + dc)) for name, (dr, dc) in MOVES.items()
-                  if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < n
-                  and dist.get((pos[0] + dr, pos[1] + dc)) == dist[pos] - 1]
-        name, pos = rng.choice(closer)
-        moves.append(name)
-    return moves
+    return _route(maze, rng, dist, lambda pos, moves, steps: [o for o in steps if dist[o[1]] == dist[pos] - 1])
 
 
 def _maze_routes(maze: Maze, m: int, rng: random.Random, dist: Mapping[tuple[int, int], int],

@@ -44,6 +44,11 @@ __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "
 log = logging.getLogger(__name__)
 
 
+def _protocol_field(name: str) -> property:
+    """A read-only attribute of the callback that is its chain protocol's ``name``."""
+    return property(lambda self: getattr(self.protocol, name), doc=f"``self.protocol.{name}``")
+
+
 class RolloutCallback(L.Callback):
     """Samples chains with an engine, scores them with the reward vector and computes advantages.
 
@@ -116,39 +121,15 @@ class RolloutCallback(L.Callback):
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
 
-    # the chain protocol's settings, read from it (one copy)
-    @property
-    def estimator(self) -> str:
-        return self.protocol.estimator
-
-    @property
-    def m(self) -> int:
-        """Answers per chain: ``num_candidates`` for chain methods, 1 for single-answer ones."""
-        return self.protocol.m
-
-    @property
-    def num_weights(self) -> int:
-        return self.protocol.num_weights
-
-    @property
-    def alpha(self) -> float:
-        return self.protocol.alpha
-
-    @property
-    def tag_family(self) -> str:
-        return self.protocol.tag_family
-
-    @property
-    def seed(self) -> int:
-        return self.protocol.seed
-
-    @property
-    def reward_names(self) -> list[str]:
-        return self.protocol.reward_names
-
-    @property
-    def reward_vector(self) -> Any:
-        return self.protocol.reward_vector
+    # the chain protocol's settings, read from it (one copy): m is num_candidates for chain methods, else 1
+    estimator = _protocol_field("estimator")
+    m = _protocol_field("m")
+    num_weights = _protocol_field("num_weights")
+    alpha = _protocol_field("alpha")
+    tag_family = _protocol_field("tag_family")
+    seed = _protocol_field("seed")
+    reward_names = _protocol_field("reward_names")
+    reward_vector = _protocol_field("reward_vector")
 
     def state_dict(self) -> dict[str, Any]:
         return {"generated_tokens": self.generated_tokens}

@@ -34,14 +34,15 @@ from vpo_lightning.commands.runs import (
     add_run_args,
     event_files,
     find_config,
-    known,
     load_config,
     load_model,
     pick_device,
     read_scalars,
+    run_config,
 )
 from vpo_lightning.commands.tools import parse_args, run_command
 from vpo_lightning.generation.adapters import refresh_card
+from vpo_lightning.training.config import get
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_data_file(cfg: dict[str, Any], split: str) -> str:
     """The split's JSONL: ``data.val_files[0]`` for val, else the first train file with ``train`` -> split."""
-    data = cfg.get("data") or {}
-    if split == "val" and data.get("val_files"):
-        return str(data["val_files"][0])
-    train = data.get("train_files") or []
+    if split == "val" and get(cfg, "data.val_files"):
+        return str(get(cfg, "data.val_files")[0])
+    train = get(cfg, "data.train_files") or []
     if not train:
         raise ValueError("the config has no data.train_files to derive the split from: pass --data_file")
     path = Path(train[0])
@@ -158,36 +158,43 @@ class Sampler:
     sampling: Any  # vpo_lightning.generation.engines.SamplingSettings
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], estimator: str | None = None) -> Sampler:
-        return cls(build_protocol(cfg, estimator), *build_engine(cfg))
+    def from_config(cls, cfg: dict[str, Any] | Any, estimator: str | None = None) -> Sampler:
+        """The config's chain protocol (its ``rollout:`` section, parsed and instantiated as `vpo fit` does:
+        ``vpo_lightning.commands.runs.run_config``) with the evaluation engine and sampling (:func:`build_engine`);
+        ``estimator`` overrides ``rollout.estimator``."""
+        rollout = eval_rollout(cfg, estimator)
+        return cls(rollout.protocol, *build_engine(rollout))
 
 
-def build_protocol(cfg: dict[str, Any], estimator: str | None = None) -> Any:
+def eval_rollout(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
+    """The :class:`~vpo_lightning.training.rollout.RolloutCallback` ``vpo fit`` would build from ``cfg`` (a loaded
+    config, a parsed ``RunConfig`` or the callback itself), ``estimator`` overriding ``rollout.estimator``."""
+    from vpo_lightning.commands.runs import run_config
+    from vpo_lightning.training.config import RunConfig
+    from vpo_lightning.training.rollout import RolloutCallback
+
+    if isinstance(cfg, RolloutCallback):
+        return cfg
+    return (cfg if isinstance(cfg, RunConfig) else run_config(cfg, estimator=estimator)).rollout()
+
+
+def build_protocol(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
     """The run's :class:`vpo_lightning.core.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
     configured like training from the config's ``rollout:`` section."""
-    from vpo_lightning.core.protocol import ChainProtocol
-
-    ro = cfg["rollout"]
-    return ChainProtocol(
-        rewards=list(ro["rewards"]), estimator=estimator or ro.get("estimator", "vpo"),
-        num_candidates=int(ro.get("num_candidates", 3)), num_weights=int(ro.get("num_weights", 100)),
-        alpha=float(ro.get("alpha", 1.0)), tag_family=ro.get("tag_family", "response"), seed=0,
-        reward_workers=ro.get("reward_workers"),
-    )
+    return eval_rollout(cfg, estimator).protocol
 
 
-def build_engine(cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """``(engine, sampling)``: a ``TransformersEngine`` with the config's batch size, and the evaluation sampling
-    settings: the training ``sampling`` with ``rollout.eval_temperature`` (default 0.7) and ``rollout.eval_top_p``
-    (default 1.0), as the reference evaluates held-out pools."""
-    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
+def build_engine(cfg: dict[str, Any] | Any) -> tuple[Any, Any]:
+    """``(engine, sampling)``: a ``TransformersEngine`` with the config engine's ``max_batch_size`` (0 where the
+    engine has none, e.g. vLLM), and the evaluation sampling settings: the training ``sampling`` at
+    ``rollout.eval_temperature`` and ``rollout.eval_top_p``, as the reference evaluates held-out pools."""
+    from dataclasses import replace
 
-    ro = cfg["rollout"]
-    init = (ro.get("engine") or {}).get("init_args") or {}
-    train = known(SamplingSettings, ro.get("sampling") or {})
-    sampling = SamplingSettings(**{**train, "temperature": float(ro.get("eval_temperature", 0.7)),
-                                   "top_p": float(ro.get("eval_top_p", 1.0))})
-    return TransformersEngine(int(init.get("max_batch_size") or 0)), sampling
+    from vpo_lightning.generation.engines import TransformersEngine
+
+    rollout = eval_rollout(cfg)
+    sampling = replace(rollout.sampling, temperature=rollout.eval_temperature, top_p=rollout.eval_top_p)
+    return TransformersEngine(int(getattr(rollout.engine, "max_batch_size", 0) or 0)), sampling
 
 
 def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
@@ -431,14 +438,15 @@ def _check_args(args: argparse.Namespace, m: int) -> None:
                          "chains of m solutions; pick n divisible by m")
 
 
-def load_prompts(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, int, list[dict]]:
-    """``(data file, max prompt tokens, the selected records)``."""
+def load_prompts(cfg: Any, args: argparse.Namespace, tokenizer: Any) -> tuple[str, int, list[dict]]:
+    """``(data file, max prompt tokens, the selected records)``; ``cfg``: the parsed config (``RunConfig.parsed``,
+    ``data.max_prompt_tokens`` defaulted as `vpo fit` defaults it)."""
     from vpo_lightning.training.records import read_records
 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
     if limit is None:
-        limit = (cfg.get("data") or {}).get("max_prompt_tokens", 0)
+        limit = get(cfg, "data.max_prompt_tokens")
     limit = int(limit or 0)
     records = read_records(data_file)
     return data_file, limit, select_prompts(records, tokenizer, args.max_prompts, limit, args.prompt_seed)
@@ -548,12 +556,13 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out) if args.out else default_out_dir(args, config)
     check_out_dir(out, args.overwrite)  # before any sampling
     cfg = load_config(config, args.overrides, require=("rollout",))
-    sampler = Sampler.from_config(cfg, args.estimator)
+    parsed = run_config(cfg, str(config), args.estimator)  # as `vpo fit` parses it
+    sampler = Sampler.from_config(parsed)
     _check_args(args, sampler.protocol.m)
     device = pick_device(args.device)
     model, settings, info = load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
-    data_file, limit, records = load_prompts(cfg, args, tokenizer)
+    data_file, limit, records = load_prompts(parsed.parsed, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
     pools = sample_pools(ns, sampler, records, args.n // sampler.protocol.m, args.seed, args.prompts_per_call)
     context = {"config": config, "settings": settings, "info": info, "data_file": data_file, "limit": limit,

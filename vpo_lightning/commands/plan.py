@@ -154,6 +154,7 @@ class Plan:
     vllm_utilization: float
     vllm_sleep: bool
     accelerator: str
+    vllm: bool = False  # the engine is a VLLMEngine (by class; a subclass counts)
     extra: dict = field(default_factory=dict)
 
 
@@ -185,6 +186,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
     """
     from vpo_lightning.commands.runs import run_settings
     from vpo_lightning.core.packing import packing_enabled
+    from vpo_lightning.generation.engines import VLLMEngine
     from vpo_lightning.generation.models import resolve_dtype
 
     run = run_settings(cfg)
@@ -196,7 +198,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
         else:
             dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[
                 str(resolve_dtype("auto"))]
-    is_vllm = run.engine == "VLLMEngine"
+    is_vllm = issubclass(run.engine_class, VLLMEngine)
     plan = Plan(
         model=model.name,
         dtype=model.bnb_compute_dtype if model.load_in_4bit else dtype,
@@ -219,6 +221,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
         vllm_utilization=float(run.engine_args["gpu_memory_utilization"]) if is_vllm else 0.0,
         vllm_sleep=bool(run.engine_args.get("enable_sleep_mode", True)),
         accelerator=run.accelerator,
+        vllm=is_vllm,
     )
     if plan.micro_batch_size < 1 or plan.logprob_chunk_size < 1:
         raise ValueError("model.optim.micro_batch_size and model.optim.logprob_chunk_size must be >= 1")
@@ -322,7 +325,7 @@ def estimate(plan: Plan, arch: Arch, device: str = "cuda") -> dict[str, Any]:
         train[f"packed attention mask + one layer's scores ({T} x {T})"] = T * T * (1 + arch.heads * 4)
     # ---- rollout phase
     N, S = plan.batch_size * plan.group_size, plan.prompt_tokens + plan.max_new_tokens
-    if plan.engine == "VLLMEngine":
+    if plan.vllm:
         roll = {f"vLLM reservation ({plan.vllm_utilization:.2f} of the card, while rolling out)": -1.0}
         if plan.vllm_sleep:  # sleep level 1 offloads vLLM's weights to CPU RAM and drops its KV cache
             train["vLLM residue while asleep (context, CUDA graphs)"] = 0.5 * GiB
@@ -387,7 +390,7 @@ def suggest(plan: Plan, arch: Arch, capacity: float, device: str, headroom: floa
     if est["rollout_total"] >= est["train_total"]:
         knobs.append(f"rollout.group_size / data.batch_size (the rollout holds {plan.batch_size * plan.group_size} "
                      "chains at once)")
-        if plan.engine == "VLLMEngine":
+        if plan.vllm:
             knobs.append("rollout.engine.init_args.gpu_memory_utilization")
     knobs.append("rollout.sampling.max_new_tokens or data.max_prompt_tokens (sequence length)")
     knobs.append("a smaller model.model.name")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.training.config import get
+
 log = logging.getLogger(__name__)
 
 
@@ -93,16 +95,6 @@ def default_of(fn: Any, name: str) -> Any:
     return inspect.signature(fn).parameters[name].default
 
 
-def get(cfg: dict, dotted: str, default: Any = None) -> Any:
-    """``cfg["a"]["b"]`` for ``"a.b"``; ``default`` where a key is missing or null."""
-    node: Any = cfg
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or node.get(key) is None:
-            return default
-        node = node[key]
-    return node
-
-
 @dataclass
 class RunSettings:
     """The settings of a `vpo fit` run, instantiated from its config with the code's defaults filled in."""
@@ -117,33 +109,33 @@ class RunSettings:
     engine: str  # the engine's class name
     engine_args: dict[str, Any] = field(default_factory=dict)  # its init_args, defaults filled in
     accelerator: str = "auto"
+    engine_class: type | None = None  # the engine's class (tell engines apart by it, not by name)
 
 
-def run_settings(cfg: dict) -> RunSettings:
-    """Instantiate the settings dataclasses of ``cfg`` (``model.model``, ``model.optim``, ``model.loss``,
-    ``rollout.sampling``) and read the data, rollout and engine knobs, defaults from the classes' signatures."""
-    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, VLLMEngine
-    from vpo_lightning.generation.models import ModelSettings
-    from vpo_lightning.training.datamodule import PromptDataModule
-    from vpo_lightning.training.module import LossSettings, OptimSettings
-    from vpo_lightning.training.rollout import RolloutCallback
+def run_config(cfg: dict, source: str = "the config", estimator: str | None = None) -> Any:
+    """``cfg`` parsed by the ``vpo fit`` parser (:func:`vpo_lightning.training.config.resolve`): a
+    :class:`~vpo_lightning.training.config.RunConfig` whose every value is typed and defaulted as `vpo fit` does;
+    ``estimator`` overrides ``rollout.estimator`` (``--estimator``)."""
+    from vpo_lightning.training.config import resolve
 
-    engine = get(cfg, "rollout.engine", {}) or {}
-    class_path = str(engine.get("class_path", "TransformersEngine") if isinstance(engine, dict) else engine)
-    cls = VLLMEngine if "VLLM" in class_path else TransformersEngine
-    init = (engine.get("init_args") or {}) if isinstance(engine, dict) else {}
-    defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    return resolve(cfg, source, {"rollout.estimator": estimator} if estimator else None)
+
+
+def run_settings(cfg: dict | Any) -> RunSettings:
+    """The settings dataclasses of ``cfg`` (``model.model``, ``model.optim``, ``model.loss``, ``rollout.sampling``)
+    and the data, rollout and engine knobs, parsed and instantiated as `vpo fit` does (:func:`run_config`)."""
+    from vpo_lightning.generation.engines import SamplingSettings
+    from vpo_lightning.training.config import RunConfig
+
+    run = cfg if isinstance(cfg, RunConfig) else run_config(cfg)
+    module = run.instantiate("model")  # a VPOModule holds its settings; the policy loads only in configure_model
+    engine = run.engine_class()
     return RunSettings(
-        model=ModelSettings(**known(ModelSettings, get(cfg, "model.model", {}))),
-        optim=OptimSettings(**known(OptimSettings, get(cfg, "model.optim", {}))),
-        loss=LossSettings(**known(LossSettings, get(cfg, "model.loss", {}))),
-        sampling=SamplingSettings(**known(SamplingSettings, get(cfg, "rollout.sampling", {}))),
-        batch_size=int(get(cfg, "data.batch_size", default_of(PromptDataModule, "batch_size"))),
-        max_prompt_tokens=int(get(cfg, "data.max_prompt_tokens", default_of(PromptDataModule, "max_prompt_tokens"))),
-        group_size=int(get(cfg, "rollout.group_size", default_of(RolloutCallback, "group_size"))),
-        engine=cls.__name__, engine_args={**defaults, **init},
-        accelerator=str(get(cfg, "trainer.accelerator", "auto")),
+        model=module.model_settings, optim=module.optim_settings, loss=module.loss_settings,
+        sampling=SamplingSettings(**run.value("rollout.sampling").as_dict()),  # flat: parsed values, defaults in
+        batch_size=int(run.value("data.batch_size")), max_prompt_tokens=int(run.value("data.max_prompt_tokens")),
+        group_size=int(run.value("rollout.group_size")), engine=engine.__name__, engine_args=run.engine_args(),
+        accelerator=str(run.value("trainer.accelerator")), engine_class=engine,
     )
 
 

@@ -40,6 +40,7 @@ import torch
 
 from vpo_lightning.commands.runs import add_run_args
 from vpo_lightning.commands.tools import parse_args, run_command
+from vpo_lightning.training.config import get
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def aggregate(problems: list[dict[str, Any]], budget: int) -> dict[str, Any]:
     }
 
 
-def load_records(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[str, list[dict]]:
+def load_records(cfg: Any, args: argparse.Namespace, tokenizer: Any) -> tuple[str, list[dict]]:
     """``(data file, records)``: the split's problems under the prompt-length limit; a seeded sample with
     ``--max_prompts``, else all of them in file order."""
     from vpo_lightning.commands.evaluate import default_data_file, select_prompts
@@ -207,7 +208,7 @@ def load_records(cfg: dict[str, Any], args: argparse.Namespace, tokenizer: Any) 
     data_file = args.data_file or default_data_file(cfg, args.split)
     limit = args.max_prompt_tokens
     if limit is None:
-        limit = int((cfg.get("data") or {}).get("max_prompt_tokens", 0) or 0)
+        limit = int(get(cfg, "data.max_prompt_tokens") or 0)  # cfg: the parsed config, defaults filled in
     records = read_records(data_file)
     if args.max_prompts:
         return data_file, select_prompts(records, tokenizer, args.max_prompts, limit, args.prompt_seed)
@@ -235,12 +236,13 @@ def run(args: argparse.Namespace) -> Path:
     t0 = time.perf_counter()
     config = runs.find_config(args.config, args.ckpt, args.adapter)
     cfg = runs.load_config(config, args.overrides, require=("rollout",))
-    sampler = evaluate.Sampler.from_config(cfg, args.estimator)
+    parsed = runs.run_config(cfg, str(config), args.estimator)  # as `vpo fit` parses it
+    sampler = evaluate.Sampler.from_config(parsed)
     protocol = sampler.protocol
     device = runs.pick_device(args.device)
     model, settings, info = runs.load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)
-    data_file, records = load_records(cfg, args, tokenizer)
+    data_file, records = load_records(parsed.parsed, args, tokenizer)
     ns = SimpleNamespace(policy=model, tokenizer=tokenizer, device=device, model_settings=settings)
     states = search_problems(ns, sampler, records, args.budget, args.mode, args.seed, args.prompts_per_call,
                              args.chains_per_round)

@@ -505,13 +505,16 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
 
 def load_for_serving(config: str | None, adapter: str | None, ckpt: str | None, overrides: list[str],
                      device: torch.device) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, model settings, config dict)`` for ``vpo serve``, loaded like ``vpo eval`` does."""
+    """``(model, tokenizer, model settings, parsed config)`` for ``vpo serve``, loaded like ``vpo eval`` does (the
+    config parsed as `vpo fit` parses it: ``vpo_lightning.commands.runs.run_config``)."""
     from vpo_lightning.commands import runs
     from vpo_lightning.generation.models import load_tokenizer
 
-    cfg = runs.load_config(runs.find_config(config, ckpt, adapter), overrides, require=("rollout",))
+    path = runs.find_config(config, ckpt, adapter)
+    cfg = runs.load_config(path, overrides, require=("rollout",))
+    parsed = runs.run_config(cfg, str(path))  # before loading: a bad value fails fast
     model, settings, _ = runs.load_model(cfg, device, ckpt=ckpt, adapter=adapter)
-    return model.eval(), load_tokenizer(settings.name), settings, cfg
+    return model.eval(), load_tokenizer(settings.name), settings, parsed
 
 
 def _is_loopback(host: str) -> bool:
@@ -574,8 +577,7 @@ def main(argv: list[str]) -> int:
         device = pick_device(args.device)
         model, tokenizer, model_settings, cfg = load_for_serving(args.config, args.adapter, args.ckpt,
                                                                  args.overrides, device)
-        default_tokens = args.default_max_tokens or int(((cfg.get("rollout") or {}).get("sampling") or {})
-                                                        .get("max_new_tokens", 256))
+        default_tokens = args.default_max_tokens or int(cfg.value("rollout.sampling.max_new_tokens"))
         settings = ServeSettings(
             max_concurrency=args.max_concurrency, max_tokens_limit=args.max_tokens_limit,
             max_request_bytes=args.max_request_bytes, max_n=args.max_n, max_batch_size=args.max_batch_size,

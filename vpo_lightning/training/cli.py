@@ -31,6 +31,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
+from vpo_lightning.training.config import get
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
@@ -130,7 +131,7 @@ class VPOCLI(LightningCLI):
         if self.subcommand in _SUBCOMMANDS_WITH_RUN and cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _last_checkpoint(str(run_dir))
         if training:
-            if not (cfg.get("data") or {}).get("val_files") and "val_files" in (cfg.get("data") or {}):
+            if "val_files" in (cfg.get("data") or {}) and not get(cfg, "data.val_files"):
                 log.info("data.val_files is empty: no validation in this run")
             self.run_folder = run_folders.claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite")))
 
@@ -168,9 +169,11 @@ def _last_checkpoint(run_dir: str) -> str:
     return str(path)
 
 
-def run_lightning(args: list[str]) -> VPOCLI:
-    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are)."""
-    return VPOCLI(
+def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
+    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are).
+    ``cli_class``: a VPOCLI subclass; :func:`vpo_lightning.training.config.fit_parser` builds the parser here and
+    stops before parsing, so the other commands parse configs with exactly this parser."""
+    return cli_class(
         VPOModule,
         PromptDataModule,
         args=args,

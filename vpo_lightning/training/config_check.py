@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vpo_lightning.training.config import get, import_class
+
 # jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
 _SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
 _GROUP_ACTIONS = ("_ActionConfigLoad",)  # "--rollout CONFIG": a section, not a leaf
@@ -334,23 +336,21 @@ def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Seque
 # --------------------------------------------------------------------------------------------- machine checks
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        try:
-            node = node[part] if isinstance(node, Mapping) or hasattr(node, "__getitem__") else getattr(node, part)
-        except (KeyError, TypeError, AttributeError, IndexError):
-            return None
-    return node
+def _engine_is_vllm(value: Any) -> bool:
+    """Whether ``rollout.engine`` (a class_path string, ``{class_path, init_args}`` or an engine) is a VLLMEngine,
+    by its class (a subclass counts; a name that merely contains "VLLM" does not)."""
+    from vpo_lightning.generation.engines import VLLMEngine
 
-
-def _class_path(value: Any) -> str:
     if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    path = _get(value, "class_path")
-    return str(path) if path is not None else type(value).__qualname__
+        return False
+    path = value if isinstance(value, str) else get(value, "class_path")
+    if path is None:
+        return isinstance(value, VLLMEngine)
+    try:
+        cls = import_class(str(path))
+    except ValueError:
+        return False  # jsonargparse names the bad class_path itself
+    return isinstance(cls, type) and issubclass(cls, VLLMEngine)
 
 
 def _has_cuda() -> bool:
@@ -366,7 +366,7 @@ def preflight(cfg: Any) -> list[str]:
         cfg: the parsed configuration of one subcommand (``trainer``, ``model``, ``rollout`` sections).
     """
     problems = []
-    accelerator = _get(cfg, "trainer.accelerator")
+    accelerator = get(cfg, "trainer.accelerator")
     if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda") and not _has_cuda():
         import torch
 
@@ -375,13 +375,13 @@ def preflight(cfg: Any) -> list[str]:
             f"trainer.accelerator={accelerator} but torch sees no CUDA GPU here (torch {torch.__version__}, {build}). "
             "Set --trainer.accelerator=cpu (or auto), or run on a machine with a GPU and a CUDA build of torch."
         )
-    if _get(cfg, "model.model.attn_implementation") == "flash_attention_2":
+    if get(cfg, "model.model.attn_implementation") == "flash_attention_2":
         missing = importlib.util.find_spec("flash_attn") is None
         if missing or not _has_cuda():
             need = "the flash-attn package (pip install 'vpo-lightning[flash]')" if missing else "a CUDA GPU"
             problems.append(f"model.model.attn_implementation=flash_attention_2 needs {need}. "
                             "Set --model.model.attn_implementation=sdpa to run here.")
-    if _class_path(_get(cfg, "rollout.engine")).endswith("VLLMEngine"):
+    if _engine_is_vllm(get(cfg, "rollout.engine")):
         missing = importlib.util.find_spec("vllm") is None
         if missing or not _has_cuda():
             need = "vLLM (pip install 'vpo-lightning[vllm]')" if missing else "a CUDA GPU"

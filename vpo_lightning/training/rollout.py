@@ -44,6 +44,11 @@ __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "
 log = logging.getLogger(__name__)
 
 
+def _protocol_field(name: str) -> property:
+    """A read-only attribute of the callback that is its chain protocol's ``name``."""
+    return property(lambda self: getattr(self.protocol, name), doc=f"``self.protocol.{name}``")
+
+
 class RolloutCallback(L.Callback):
     """Samples chains with an engine, scores them with the reward vector and computes advantages.
 
@@ -106,11 +111,8 @@ class RolloutCallback(L.Callback):
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
         self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
                                       reward_workers)  # fails fast on a bad reward name
-        self.reward_names, self.estimator, self.m = self.protocol.reward_names, estimator, self.protocol.m
-        self.group_size, self.num_weights, self.alpha, self.tag_family = group_size, num_weights, alpha, tag_family
-        self.sampling, self.engine = sampling, engine
-        self.seed, self.log_samples_every, self.save_completions = seed, log_samples_every, save_completions
-        self.reward_vector = self.protocol.reward_vector
+        self.group_size, self.sampling, self.engine = group_size, sampling, engine
+        self.log_samples_every, self.save_completions = log_samples_every, save_completions
         self.max_generated_tokens = max_generated_tokens
         if dynamic_sampling.max_extra_rounds < 0:
             raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
@@ -118,6 +120,16 @@ class RolloutCallback(L.Callback):
         self.dynamic_sampling = dynamic_sampling
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
+
+    # the chain protocol's settings, read from it (one copy): m is num_candidates for chain methods, else 1
+    estimator = _protocol_field("estimator")
+    m = _protocol_field("m")
+    num_weights = _protocol_field("num_weights")
+    alpha = _protocol_field("alpha")
+    tag_family = _protocol_field("tag_family")
+    seed = _protocol_field("seed")
+    reward_names = _protocol_field("reward_names")
+    reward_vector = _protocol_field("reward_vector")
 
     def state_dict(self) -> dict[str, Any]:
         return {"generated_tokens": self.generated_tokens}

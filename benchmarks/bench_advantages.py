@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from vpo_lightning.advantages import vpo_advantages
+from vpo_lightning.core.advantages import vpo_advantages
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,

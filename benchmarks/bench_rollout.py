@@ -81,7 +81,8 @@ def generate_compiled(module, prompts: list[list[int]], group_size: int, samplin
     transformers' static cache and its ``torch.compile`` of the decode forward instead of the shared prefill."""
     from transformers import CompileConfig
 
-    from vpo_lightning.engines import Generation, eos_token_ids, left_pad, trim_completion
+    from vpo_lightning.core.types import Generation
+    from vpo_lightning.generation.engines import eos_token_ids, left_pad, trim_completion
 
     model, tok = module.policy, module.tokenizer
     eos = eos_token_ids(model, tok)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import cpu_description, cpu_kind
     from vs_trl import tooluse_policy
 
-    from vpo_lightning.runtime import adapt_threads, parse_threads
+    from vpo_lightning.generation.threads import adapt_threads, parse_threads
 
     try:
         settings = [parse_threads(t) for t in args.threads.split(",")]
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(n, t) for n in names for t in settings]
     labels = [n if len(settings) == 1 else f"{n}@t{t}" for n, t in runs]
 
-    from vpo_lightning.attention import NAME
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.generation.attention import NAME
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
     module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, args.max_prompt_tokens)
     base = module.policy.get_base_model()

@@ -2,8 +2,8 @@
 
 The rollout's decode steps are most of a rollout (bf16, B = 2, G = 8, 128 tokens: ~4.7 of ~5.8 s). This script
 builds the policy as ``vpo fit`` does (SmolLM2-135M, LoRA r=16 on all linear layers), prefills B tool-use prompts
-(as ``bench_rollout.py`` selects them) into :class:`~vpo_lightning.fused_decode.FusedDecoder` with G chains each,
-and prints, in one run:
+(as ``bench_rollout.py`` selects them) into :class:`~vpo_lightning.generation.fused_decode.FusedDecoder` with G
+chains each, and prints, in one run:
 
 1. the bound of one step over R = B x G rows at the mean context of ``--steps`` steps, as ``roofline.py`` computes
    it (``max(bytes / bandwidth, flops / matmul peak)``, the peak and bandwidth measured here after the steps);
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import BYTES_PER_PARAM, Shape, cpu_description, decode_step_bound_s, measure_bandwidth, measure_matmul
     from vs_trl import tooluse_policy
 
-    from vpo_lightning.engines import left_pad
-    from vpo_lightning.fused_decode import FusedDecoder
+    from vpo_lightning.generation.engines import left_pad
+    from vpo_lightning.generation.fused_decode import FusedDecoder
 
     module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, args.max_prompt_tokens)
     model = module.policy.eval()

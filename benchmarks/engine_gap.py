@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from vs_trl import tooluse_policy
 
-    import vpo_lightning.attention as attention
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.protocol import Rollout, build_rollout_tensors, engine_logprob_tensor
+    import vpo_lightning.generation.attention as attention
+    from vpo_lightning.core.protocol import build_rollout_tensors, engine_logprob_tensor
+    from vpo_lightning.core.types import Rollout
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
     torch.manual_seed(args.seed)
     module, prompts = tooluse_policy(args.model, args.dtype, args.prompts_per_step, 400)

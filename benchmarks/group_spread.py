@@ -6,7 +6,7 @@ dimension's mean and fraction of non-zero values over all answers (unparsed answ
 the fraction of training groups that would have a non-zero advantage: each prompt's pool of n/m chains (or n
 answers) is cut, in sampling order, into groups of G, and a group has signal when the estimator it would train with
 (``grpo`` for single answers, ``vpo`` for chains; ``--estimator`` overrides) gives some member a non-zero
-advantage (the same test as dynamic sampling, :func:`vpo_lightning.dynamic_sampling.groups_with_signal`).
+advantage (the same test as dynamic sampling, :func:`vpo_lightning.core.dynamic_sampling.groups_with_signal`).
 
     python benchmarks/group_spread.py checkpoints/maze-eval/sft-single checkpoints/maze-eval/sft-chain --group 8
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from vpo_lightning.advantages import ESTIMATORS
-from vpo_lightning.dynamic_sampling import groups_with_signal
-from vpo_lightning.evaluate import chain_tensors, read_samples
+from vpo_lightning.commands.evaluate import chain_tensors, read_samples
+from vpo_lightning.core.advantages import ESTIMATORS
+from vpo_lightning.core.dynamic_sampling import groups_with_signal
 
 
 def summarise(out: Path, group: int, estimator: str | None, seed: int = 0) -> dict:

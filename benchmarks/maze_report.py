@@ -6,13 +6,13 @@ Three helpers for ``benchmarks/maze_protocol.sh`` and one report:
     python benchmarks/maze_report.py --curves checkpoints/maze5-vpo-s0              # training curves (JSON)
     python benchmarks/maze_report.py --results docs/results/maze --out docs/results_maze.md
 
-``--positions`` reads an evaluation's ``samples.jsonl`` and prints, per answer position (a single answer is
-position 1): the fraction of answers that parse, that reach the exit (reward dimension ``exit`` = 1), each
-dimension's mean (unparsed answers score 0, as in training), and for chains the fraction with every position
-parsed. ``--curves`` reads a run's TensorBoard files and prints per-step train/ rewards, KL, parse rate, diversity
-and tokens. ``--results`` reads ``<results>/<method>-s<seed>/{eval.json,positions.json,curves.json,times.tsv}`` and
-writes the table (mean over seeds and prompts with hierarchical 95% bootstrap intervals, vpo_lightning.replicates),
-the best@k plot, the cold start's per-position table, the first/last-10-step training summaries and wall times.
+``--positions`` reads an evaluation's ``samples.jsonl`` and prints, per answer position (a single answer is position 1):
+the fraction of answers that parse, that reach the exit (reward dimension ``exit`` = 1), each dimension's mean (unparsed
+answers score 0, as in training), and for chains the fraction with every position parsed. ``--curves`` reads a run's
+TensorBoard files and prints per-step train/ rewards, KL, parse rate, diversity and tokens. ``--results`` reads
+``<results>/<method>-s<seed>/{eval.json,positions.json,curves.json,times.tsv}`` and writes the table (mean over seeds
+and prompts with hierarchical 95% bootstrap intervals, vpo_lightning.commands.replicates), the best@k plot, the cold
+start's per-position table, the first/last-10-step training summaries and wall times.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def positions(eval_dir: Path) -> dict[str, Any]:
 
 def curves(run_dir: Path) -> dict[str, dict[int, float]]:
     """The run's per-step training scalars of ``CURVE_TAGS`` (those it logged)."""
-    from vpo_lightning.runs import read_scalars
+    from vpo_lightning.commands.runs import read_scalars
 
     scalars = read_scalars(run_dir)
     return {tag: {int(k): float(v) for k, v in sorted(scalars[tag].items())} for tag in CURVE_TAGS if tag in scalars}
@@ -104,7 +104,7 @@ def coldstart_rows(folder: Path) -> list[str]:
 
 
 def report(results: Path, out: Path, coldstart: Path | None = None) -> None:
-    from vpo_lightning.replicates import best_at_k_bands, plot_bands, summary_table
+    from vpo_lightning.commands.replicates import best_at_k_bands, plot_bands, summary_table
 
     runs = sorted(p for p in results.iterdir() if (p / "eval.json").exists()) if results.exists() else []
     groups: dict[str, list[dict[str, Any]]] = {}

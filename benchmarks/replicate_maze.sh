@@ -7,7 +7,7 @@
 #      run (rollout.max_generated_tokens; dynamic sampling's extra rounds count), at most 4 x STEPS steps;
 #   2. evaluate every run, and the SFT policy itself (single answers and 3-answer chains, once per seed as the
 #      evaluation seed), with `vpo eval` on the same PROMPTS held-out mazes and the same solution budget N;
-#   3. write RESULTS with `python -m vpo_lightning.replicates` (best@k, pass@k, diversity, E_w best, Pareto
+#   3. write RESULTS with `python -m vpo_lightning.commands.replicates` (best@k, pass@k, diversity, E_w best, Pareto
 #      fraction, each with a hierarchical bootstrap interval over prompts and seeds; best@k plot with bands), the
 #      per-run table of `vpo compare` beside it (<RESULTS stem>_runs.md), and two PNGs of the first test maze: VPO's
 #      first chain and GRPO's first three samples (<RESULTS stem>_vpo_chain.png, <RESULTS stem>_grpo_samples.png).
@@ -105,7 +105,7 @@ train() {  # $1 = run name, $2 = config, $3 = max steps, $4 = seed, then more `v
 }
 
 run_tokens() {  # generated training tokens of checkpoints/$1/last.ckpt
-  "$PY" -c "import sys; from vpo_lightning.evaluate import training_tokens as t; \
+  "$PY" -c "import sys; from vpo_lightning.commands.evaluate import training_tokens as t; \
 print(t(sys.argv[1], None)['generated_tokens'])" "checkpoints/$1/last.ckpt"
 }
 
@@ -148,7 +148,7 @@ if has_part report; then
     local name=$1 IFS=,; shift; local out=(); for s in "$@"; do out+=("$EVAL_DIR/$name-s$s"); done; echo "${out[*]}"
   }
   SFT_LABEL=$([[ "$SFT_ADAPTER" == none ]] && echo "base" || echo "SFT")
-  "$PY" -m vpo_lightning.replicates --group "VPO=$(group vpo "${SEED_LIST[@]}")" --group "GRPO=$(group grpo "${SEED_LIST[@]}")" \
+  "$PY" -m vpo_lightning.commands.replicates --group "VPO=$(group vpo "${SEED_LIST[@]}")" --group "GRPO=$(group grpo "${SEED_LIST[@]}")" \
     --group "$SFT_LABEL, 3-answer chains=$(group sft-chains "${SFT_SEED_LIST[@]}")" \
     --group "$SFT_LABEL, single answers=$(group sft-single "${SFT_SEED_LIST[@]}")" \
     --out "$RESULTS" \

@@ -93,7 +93,7 @@ train() {  # $1 = vpo|grpo, $2 = config, $3 = max steps, then more `vpo fit` arg
 }
 
 run_tokens() {  # generated training tokens of checkpoints/$1/last.ckpt (the report's "train tokens")
-  "$PY" -c "import sys; from vpo_lightning.evaluate import training_tokens as t; \
+  "$PY" -c "import sys; from vpo_lightning.commands.evaluate import training_tokens as t; \
 print(t(sys.argv[1], None)['generated_tokens'])" "checkpoints/$1/last.ckpt"
 }
 

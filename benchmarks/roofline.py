@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from vpo_lightning.models import resolve_dtype, resolve_model_path
+    from vpo_lightning.generation.models import resolve_dtype, resolve_model_path
 
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if resolve_dtype("auto") == torch.bfloat16 else "fp32")
     cpu = cpu_description()

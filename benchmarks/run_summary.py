@@ -20,8 +20,8 @@ DEFAULT_TAGS = ("reward/", "parse_rate", "frac_zero_std_groups", "dynamic/frac_d
 
 def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar of the run's event files, as {tag: {step: value}} (later files and events win)."""
-    from vpo_lightning.runs import event_files
-    from vpo_lightning.runs import read_scalars as read
+    from vpo_lightning.commands.runs import event_files
+    from vpo_lightning.commands.runs import read_scalars as read
 
     if not event_files(run_dir):
         raise SystemExit(f"{run_dir}: no TensorBoard event files (events.out.tfevents.*); is it a `vpo fit` run dir?")

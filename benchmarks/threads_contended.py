@@ -1,12 +1,13 @@
 """One decode step of the fused decoder at a given intra-op thread count, to see what a busy core does to it (issue 43).
 
-Prefills B tool-use prompts into :class:`~vpo_lightning.fused_decode.FusedDecoder` (as ``decode_step.py``) and prints
-the median of ``--steps`` greedy decode steps with ``torch.set_num_threads(--threads)``, the wait policy from the
-environment (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) and the process's CPU share. Pin it to one core beside other
-work (``taskset -c 1``) to see contention. ``--spin-as-cpus 2`` re-runs the script with a small preloaded shim
-(compiled with ``cc``) that makes libgomp see that many CPUs at start-up, so that it spins as on a machine of that
-size (300,000 iterations at each barrier with ``OMP_WAIT_POLICY`` unset) while its threads share the pinned core:
-the worst case of a descheduled peer. An experiment, not a product path.
+Prefills B tool-use prompts into :class:`~vpo_lightning.generation.fused_decode.FusedDecoder` (as
+``decode_step.py``) and prints the median of ``--steps`` greedy decode steps with
+``torch.set_num_threads(--threads)``, the wait policy from the environment (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)
+and the process's CPU share. Pin it to one core beside other work (``taskset -c 1``) to see contention.
+``--spin-as-cpus 2`` re-runs the script with a small preloaded shim (compiled with ``cc``) that makes libgomp see
+that many CPUs at start-up, so that it spins as on a machine of that size (300,000 iterations at each barrier with
+``OMP_WAIT_POLICY`` unset) while its threads share the pinned core: the worst case of a descheduled peer. An
+experiment, not a product path.
 
     taskset -c 1 .venv/bin/python benchmarks/threads_contended.py --threads 1
     taskset -c 1 .venv/bin/python benchmarks/threads_contended.py --threads 2 --spin-as-cpus 2
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vs_trl import tooluse_policy
 
-    from vpo_lightning.engines import left_pad
-    from vpo_lightning.fused_decode import FusedDecoder
+    from vpo_lightning.generation.engines import left_pad
+    from vpo_lightning.generation.fused_decode import FusedDecoder
 
     module, prompts = tooluse_policy("smollm2-135m", args.dtype, 2, 400)
     model = module.policy.eval()

@@ -53,7 +53,7 @@ def run_ours(spec: dict) -> dict:
     import torch
     from vs_trl import tooluse_policy
 
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
     module, prompts = tooluse_policy(spec["model"], spec["dtype"], spec["prompts_per_step"], spec["max_prompt_tokens"])
     if prompts != spec["prompts"]:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from roofline import cpu_description, cpu_kind
     from vs_trl import select_prompts
 
-    from vpo_lightning.models import _alias_gguf, cache_dir, load_tokenizer, prompt_token_ids
+    from vpo_lightning.generation.models import _alias_gguf, cache_dir, load_tokenizer, prompt_token_ids
 
     load_run = BusyLoad.from_spec(args.load)
     tok = load_tokenizer(args.model)

@@ -61,7 +61,7 @@ def _rss_bytes() -> int:
 
 def select_prompts(data: Path, count: int, max_tokens: int, model: str) -> list[dict]:
     """The first ``count`` records of ``data`` whose chat-templated prompt has at most ``max_tokens`` tokens."""
-    from vpo_lightning.models import load_tokenizer, prompt_token_ids
+    from vpo_lightning.generation.models import load_tokenizer, prompt_token_ids
 
     tok = load_tokenizer(model)
     out = []
@@ -81,9 +81,9 @@ def tooluse_policy(model: str, dtype: str, count: int, max_tokens: int) -> tuple
     """The rollout benchmarks' set-up: malloc tuned as ``vpo fit`` tunes it, the policy as ``vpo fit`` builds it
     (``VPOModule``, LoRA r=16 on all linear layers) and the token ids of the first ``count`` tool-use prompts of at
     most ``max_tokens`` tokens (:func:`select_prompts`) under the chat template."""
-    from vpo_lightning.models import LoraSettings, ModelSettings, prompt_token_ids
-    from vpo_lightning.module import VPOModule
-    from vpo_lightning.runtime import tune_malloc
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings, prompt_token_ids
+    from vpo_lightning.training.module import VPOModule
+    from vpo_lightning.training.runtime import tune_malloc
 
     tune_malloc()  # as `vpo fit` does: freed cache-sized buffers stay in the heap
     records = select_prompts(ROOT / "data" / "tooluse" / "train.jsonl", count, max_tokens, model)
@@ -164,8 +164,8 @@ class _Clock:
 
 def _thread_decisions() -> list:
     """Ours: what the engine's thread policy measured and chose before each rollout (empty for TRL)."""
-    runtime = sys.modules.get("vpo_lightning.runtime")
-    policies = getattr(runtime, "_POLICIES", {}) if runtime else {}
+    threads = sys.modules.get("vpo_lightning.generation.threads")
+    policies = getattr(threads, "_POLICIES", {}) if threads else {}
     return [h for p in policies.values() for h in p.history]
 
 
@@ -182,7 +182,7 @@ def _versions() -> dict[str, str]:
 
 
 def _model_settings(spec: dict):
-    from vpo_lightning.models import LoraSettings, ModelSettings
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings
 
     return ModelSettings(name=spec["model"], dtype=spec["dtype"], gradient_checkpointing=spec["gradient_checkpointing"],
                          lora=LoraSettings(r=16, alpha=32, target_modules="all-linear"))
@@ -193,10 +193,10 @@ def run_ours(spec: dict, partial: Path | None = None) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from vpo_lightning.engines import SamplingSettings, TransformersEngine
-    from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
-    from vpo_lightning.rollout import RolloutCallback
-    from vpo_lightning.runtime import tune_malloc
+    from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
+    from vpo_lightning.training.module import LossSettings, OptimSettings, VPOModule
+    from vpo_lightning.training.rollout import RolloutCallback
+    from vpo_lightning.training.runtime import tune_malloc
 
     tune_malloc()  # as `vpo fit` does (a no-op when --env sets MALLOC_* for both sides)
     clock = _Clock(partial)
@@ -245,7 +245,7 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from vpo_lightning.models import load_base_model, load_tokenizer
+    from vpo_lightning.generation.models import load_base_model, load_tokenizer
 
     clock = _Clock(partial)
     B, G = spec["prompts_per_step"], spec["group_size"]
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     from cpuload import BusyLoad, results_label
     from roofline import cpu_description, cpu_kind
 
-    from vpo_lightning.models import resolve_dtype
+    from vpo_lightning.generation.models import resolve_dtype
 
     load_run = BusyLoad.from_spec(args.load)  # a bad --load fails here, before anything runs
     records = select_prompts(args.data, args.prompts, args.max_prompt_tokens, args.model)

@@ -6,16 +6,21 @@ import importlib.util
 import os
 from pathlib import Path
 
+import lightning  # noqa: F401
 import pytest
 import torch
 
-from vpo_lightning.engines import Engine, Generation
+from vpo_lightning.core.types import Generation
+from vpo_lightning.generation.engines import Engine
 
 REPO = Path(__file__).resolve().parents[1]
 
 # One intra-op thread: the tests' models are tiny, where a second thread only adds synchronisation (measured ~10x
 # slower with two threads on a loaded 2-core machine); subprocess tests set OMP_NUM_THREADS=1 themselves.
 torch.set_num_threads(1)
+# Lightning is imported above, at collection, as the `vpo` command imports it before any output: Lightning gives its
+# logger a handler on the stderr of the moment of its import when the root logger has none, and imported inside a
+# test that would be the test's capsys stream, closed after it ("--- Logging error ---" in later tests).
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The ``tiny-llama`` alias: a 2-layer random Llama with SmolLM2's tokenizer, built once and cached."""
-    from vpo_lightning.models import resolve_model_path
+    from vpo_lightning.generation.models import resolve_model_path
 
     return Path(resolve_model_path("tiny-llama"))
 
@@ -101,7 +106,7 @@ def scripted_engine():
 def script_generation(monkeypatch):
     """``script_generation(script)``: every ``TransformersEngine`` (the one `vpo eval`/`vpo search` build) answers
     from ``script`` instead of sampling; returns the :class:`ScriptedEngine` that does it."""
-    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.generation.engines import TransformersEngine
 
     def patch(script, lengths=None) -> ScriptedEngine:
         engine = ScriptedEngine(script, lengths)
@@ -114,8 +119,8 @@ def script_generation(monkeypatch):
 def build_tiny_module(*, lora_b_std: float = 0.1, lora_b_seed: int | None = None, attn: str = "sdpa",
                       checkpointing: bool = False, beta: float | None = None, **optim):
     """A configured ``VPOModule`` on the tiny model with a non-zero adapter (so policy and reference differ)."""
-    from vpo_lightning.models import LoraSettings, ModelSettings
-    from vpo_lightning.module import LossSettings, OptimSettings, VPOModule
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings
+    from vpo_lightning.training.module import LossSettings, OptimSettings, VPOModule
 
     loss = LossSettings() if beta is None else LossSettings(beta=beta)
     module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", attn_implementation=attn,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpo_lightning.advantages import (
+from vpo_lightning.core.advantages import (
     CHAIN_ESTIMATORS,
     ESTIMATORS,
     WEIGHTED_ESTIMATORS,

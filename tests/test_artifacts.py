@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
-from vpo_lightning import runs
-from vpo_lightning.cli import main as vpo
-from vpo_lightning.models import LoraSettings, ModelSettings, load_policy, resolve_model_path
+from vpo_lightning.commands import runs
+from vpo_lightning.generation.models import LoraSettings, ModelSettings, load_policy, resolve_model_path
+from vpo_lightning.launcher import main as vpo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[1]
@@ -128,8 +128,8 @@ def test_stacking_is_exact_with_other_targets_ranks_and_rslora(tmp_path, tiny_mo
     """Stage 1 rsLoRA on q/v (r 4, alpha 16: scale 8), stage 2 all-linear (r 2, alpha 8: scale 4), both B random."""
     from peft import LoraConfig, get_peft_model
 
-    from vpo_lightning.export import write_adapter_folder
-    from vpo_lightning.models import load_base_model
+    from vpo_lightning.generation.adapters import write_adapter_folder
+    from vpo_lightning.generation.models import load_base_model
 
     first = get_peft_model(load_base_model(ModelSettings(name="tiny-llama", dtype="fp32")),
                            LoraConfig(r=4, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"]))
@@ -158,7 +158,7 @@ def test_stacking_is_exact_with_other_targets_ranks_and_rslora(tmp_path, tiny_mo
 
 
 def test_base_model_id_names_the_hub_id_of_aliases_and_local_paths(tmp_path, tiny_model_dir):
-    from vpo_lightning.export import base_model_id
+    from vpo_lightning.generation.adapters import base_model_id
 
     assert base_model_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert base_model_id("tiny-llama") == str(tiny_model_dir)
@@ -270,7 +270,7 @@ def test_validate_never_writes_the_run_config(tmp_path, monkeypatch):
 
 def test_no_val_files_trains_without_validation_and_says_so_once(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.INFO, logger="vpo_lightning.cli"):
+    with caplog.at_level(logging.INFO, logger="vpo_lightning.training.cli"):
         _fit("--data.val_files=null", "--trainer.val_check_interval=1")
     said = [r for r in caplog.records if "val_files" in r.getMessage()]
     assert len(said) == 1 and "no validation" in said[0].getMessage()

@@ -1,6 +1,6 @@
 """Bad input is answered by a short, actionable ``vpo: error: ...`` (exit code 2, no traceback), end to end.
 
-Every case goes through ``vpo_lightning.cli.main([...])`` as the ``vpo`` command would, with stderr captured.
+Every case goes through ``vpo_lightning.launcher.main([...])`` as the ``vpo`` command would, with stderr captured.
 Machine-dependent cases (a GPU accelerator, vLLM) pretend there is no CUDA so that they behave alike everywhere.
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning import config_check
-from vpo_lightning.cli import main
+from vpo_lightning.launcher import main
+from vpo_lightning.training import config_check
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "tooluse" / "val.jsonl"
@@ -58,9 +58,9 @@ def test_misspelled_key_on_the_command_line_suggests_the_closest(capsys):
 @pytest.fixture(scope="module")
 def fit_parser():
     """The ``fit`` subcommand's parser, built once (parsing is what costs time here, not the checks)."""
-    from vpo_lightning.cli import VPOCLI
-    from vpo_lightning.datamodule import PromptDataModule
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.cli import VPOCLI
+    from vpo_lightning.training.datamodule import PromptDataModule
+    from vpo_lightning.training.module import VPOModule
 
     holder = {}
 
@@ -151,9 +151,9 @@ def test_out_of_range_values(args, expected, capsys):
 
 def test_more_out_of_range_values():
     """The same checks without a CLI round trip each (they run in the constructors the CLI calls)."""
-    from vpo_lightning.datamodule import PromptDataModule
-    from vpo_lightning.engines import SamplingSettings
-    from vpo_lightning.rollout import _validate
+    from vpo_lightning.generation.engines import SamplingSettings
+    from vpo_lightning.training.datamodule import PromptDataModule
+    from vpo_lightning.training.rollout import _validate
 
     for kwargs, match in (({"alpha": -1.0}, "alpha"), ({"alpha": float("nan")}, "alpha"), ({"m": -3}, "num_candidates"),
                           ({"group_size": 0}, "group_size"), ({"num_weights": -1}, "num_weights")):
@@ -206,7 +206,7 @@ def test_bad_data_files_name_the_file_and_line(content, expected, tmp_path, caps
     (GOOD + "\x00\n", "train.jsonl:2: not valid JSON"),
 ])
 def test_more_bad_records(content, expected, tmp_path):
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.training.datamodule import read_jsonl
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
@@ -216,7 +216,7 @@ def test_more_bad_records(content, expected, tmp_path):
 
 
 def test_not_utf8_names_the_file(tmp_path):
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.training.datamodule import read_jsonl
 
     path = tmp_path / "train.jsonl"
     path.write_bytes(GOOD.encode() + b'{"messages": "\xff\xfe"}\n')
@@ -225,7 +225,7 @@ def test_not_utf8_names_the_file(tmp_path):
 
 
 def test_fewer_prompts_than_a_batch(tmp_path):
-    from vpo_lightning.datamodule import PromptDataModule
+    from vpo_lightning.training.datamodule import PromptDataModule
 
     path = tmp_path / "train.jsonl"
     path.write_text(GOOD)
@@ -274,7 +274,7 @@ def test_model_path_that_does_not_exist(capsys):
 
 
 def test_model_directory_without_config(tmp_path):
-    from vpo_lightning.models import resolve_model_path
+    from vpo_lightning.generation.models import resolve_model_path
 
     (tmp_path / "empty_model").mkdir()
     with pytest.raises(FileNotFoundError, match="without config.json"):
@@ -298,7 +298,7 @@ def test_flash_attention_without_the_package_or_a_gpu(no_cuda, capsys):
 
 
 def test_vllm_engine_without_the_package_or_a_gpu(no_cuda, capsys):
-    msg = _error([*_base(), "--rollout.engine=vpo_lightning.engines.VLLMEngine"], capsys)
+    msg = _error([*_base(), "--rollout.engine=vpo_lightning.generation.engines.VLLMEngine"], capsys)
     assert "VLLMEngine needs" in msg and "TransformersEngine" in msg
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpo_lightning.chains import build_instruction, count_parsed, parse_chain
+from vpo_lightning.core.chains import build_instruction, count_parsed, parse_chain
 
 
 def _regex_reference(text: str, m: int, tag: str = "response") -> list[str | None]:
@@ -84,7 +84,7 @@ def test_response_family_has_no_fallback():
 
 
 def test_distinct_counts_identical_answers_once():
-    from vpo_lightning.chains import distinct
+    from vpo_lightning.core.chains import distinct
 
     key = lambda text: tuple(text.split()) or None  # noqa: E731
     assert distinct(["R  R", "R R", None, "D", "R R"], key) == (["R  R", None, None, "D", None], 2)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.cli import VPOCLI
-from vpo_lightning.datamodule import PromptDataModule
-from vpo_lightning.module import VPOModule
+from vpo_lightning.training.cli import VPOCLI
+from vpo_lightning.training.datamodule import PromptDataModule
+from vpo_lightning.training.module import VPOModule
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")
                  if not p.name.endswith("_sft.yaml"))  # `vpo sft` configs: tests/test_sft.py
@@ -67,10 +67,10 @@ def _our_arguments() -> list[str]:
     import dataclasses
     import inspect
 
-    from vpo_lightning.engines import SamplingSettings
-    from vpo_lightning.models import LoraSettings, ModelSettings
-    from vpo_lightning.module import LossSettings, OptimSettings
-    from vpo_lightning.rollout import RolloutCallback
+    from vpo_lightning.generation.engines import SamplingSettings
+    from vpo_lightning.generation.models import LoraSettings, ModelSettings
+    from vpo_lightning.training.module import LossSettings, OptimSettings
+    from vpo_lightning.training.rollout import RolloutCallback
 
     def params(fn) -> list[str]:
         return [n for n in inspect.signature(fn).parameters if n != "self"]
@@ -105,7 +105,7 @@ def test_fit_help_documents_every_argument():
 
 def test_unknown_key_is_rejected_with_a_suggestion(in_repo, capsys):
     """Through `vpo fit` (the path users take): a one-line error naming the key and the closest known one."""
-    from vpo_lightning.cli import main
+    from vpo_lightning.launcher import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "configs/debug.yaml", "--rollout.group_sise", "4"])

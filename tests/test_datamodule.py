@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vpo_lightning.datamodule import PromptDataModule, PromptStream, read_jsonl
+from vpo_lightning.training.datamodule import PromptDataModule, PromptStream, read_jsonl
 
 
 def _write(path, lines):

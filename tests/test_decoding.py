@@ -11,15 +11,15 @@ import types
 import pytest
 import torch
 
-from vpo_lightning.attention import vpo_sdpa
-from vpo_lightning.decoding import (
+from vpo_lightning.generation.attention import vpo_sdpa
+from vpo_lightning.generation.decoding import (
     filter_logits,
     merged_lora,
     packed_linears,
     packing_works,
     sample_next,
 )
-from vpo_lightning.engines import SamplingSettings, TransformersEngine
+from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
 REFERENCE = {"decode_loop": False, "merge_lora": False, "pack_weights": False}  # model.generate, as before #25
 
@@ -87,7 +87,7 @@ def test_decode_attention_equals_sdpa_with_left_padding(dtype):
 
 
 def test_models_loaded_with_sdpa_run_vpo_sdpa_and_others_are_left_alone(tiny_module):
-    from vpo_lightning.attention import use_vpo_attention, uses_vpo_attention
+    from vpo_lightning.generation.attention import use_vpo_attention, uses_vpo_attention
 
     module = tiny_module()
     assert uses_vpo_attention(module.policy.get_base_model())  # vpo fit's models: SDPA plus the two shortcuts
@@ -169,7 +169,8 @@ def test_decode_loop_gives_the_reference_engines_tokens_under_greedy_decoding(ti
 def test_decode_loop_logprobs_are_the_trainers(tiny_module):
     """The engine's per-token log-probs against the trainer's for the same chains: the gap that the module logs as
     ``train/engine_logprob_gap`` (float32: ~1e-6); and the module's gap is that mean, read without a second pass."""
-    from vpo_lightning.protocol import Rollout, build_rollout_tensors, engine_logprob_tensor
+    from vpo_lightning.core.protocol import build_rollout_tensors, engine_logprob_tensor
+    from vpo_lightning.core.types import Rollout
 
     module = tiny_module()
     module.trainer = types.SimpleNamespace(world_size=1)  # the pieces of the trainer a backward pass touches
@@ -208,7 +209,7 @@ def test_bf16_decode_loop_stays_close_to_the_trainer(tiny_module):
     module.policy.to(torch.bfloat16)
     prompts = _prompts(module)
     gen = TransformersEngine().generate(module, prompts, 2, SamplingSettings(top_k=1, max_new_tokens=8))
-    from vpo_lightning.protocol import build_rollout_tensors, engine_logprob_tensor
+    from vpo_lightning.core.protocol import build_rollout_tensors, engine_logprob_tensor
 
     ids, attn, comp, P = build_rollout_tensors(prompts, gen, 2, module.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -223,7 +224,7 @@ def test_bf16_decode_loop_stays_close_to_the_trainer(tiny_module):
 def test_fast_linears_packs_the_merged_weights_and_leaves_the_model_as_it_was(tiny_module):
     """merge + pack: the base layers multiply with packed merged weights (the adapters' own layers are not packed,
     they are disabled), the outputs are the merged model's, and afterwards the model is the adapted one again."""
-    from vpo_lightning.decoding import fast_linears
+    from vpo_lightning.generation.decoding import fast_linears
 
     if not packing_works(torch.float32):
         pytest.skip("this torch/CPU has no oneDNN prepacked float32 products")

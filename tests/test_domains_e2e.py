@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning.cli import main as vpo
+from vpo_lightning.launcher import main as vpo
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "public"
@@ -20,7 +20,7 @@ DIMS = {"musique": ["hop_1", "hop_2", "hop_3", "hop_4", "answer_f1"],
         "livecodebench": [f"test_{i}" for i in range(16)]}
 CPU = ["--model.model.name=tiny-llama", "--model.model.dtype=fp32", "--model.model.load_in_4bit=false",
        "--model.model.lora.r=4", "--model.model.lora.alpha=8", "--trainer.accelerator=cpu",
-       "--trainer.precision=32-true", "--rollout.engine=vpo_lightning.engines.TransformersEngine",
+       "--trainer.precision=32-true", "--rollout.engine=vpo_lightning.generation.engines.TransformersEngine",
        "--rollout.group_size=4", "--rollout.sampling.max_new_tokens=24", "--data.batch_size=2",
        "--model.optim.micro_batch_size=8", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
        "--data.val_files=null", "--checkpoint.every_n_train_steps=1", "--run_name=e2e"]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vpo_lightning.dynamic_sampling import (
+from vpo_lightning.core.dynamic_sampling import (
     DynamicSamplingSettings,
     Round,
     concat_groups,
@@ -20,10 +20,11 @@ from vpo_lightning.dynamic_sampling import (
     rows_to_train,
     select_groups,
 )
-from vpo_lightning.engines import Engine, Generation
-from vpo_lightning.models import load_tokenizer
-from vpo_lightning.rollout import RolloutCallback
+from vpo_lightning.core.types import Generation
+from vpo_lightning.generation.engines import Engine
+from vpo_lightning.generation.models import load_tokenizer
 from vpo_lightning.tasks.maze import Maze, make_record
+from vpo_lightning.training.rollout import RolloutCallback
 
 G = 2
 

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vpo_lightning.engines import (
+from vpo_lightning.generation.engines import (
     SamplingSettings,
     VLLMEngine,
     left_pad,
     outputs_to_generation,
     trim_completion,
 )
-from vpo_lightning.models import LoraSettings, ModelSettings
+from vpo_lightning.generation.models import LoraSettings, ModelSettings
 
 
 def test_left_pad():
@@ -73,7 +73,7 @@ def test_vllm_outputs_map_to_generation():
 def test_vllm_adapter_export_is_versioned_peft(tmp_path):
     from peft import PeftModel
 
-    from vpo_lightning.models import load_base_model, load_policy
+    from vpo_lightning.generation.models import load_base_model, load_policy
 
     policy, _ = load_policy(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
     engine = VLLMEngine(adapter_dir=str(tmp_path))
@@ -89,7 +89,7 @@ def test_vllm_adapter_export_includes_the_starting_adapter(tmp_path):
     """vLLM holds the raw base: after SFT -> RL, the adapter it gets must carry the SFT stage too (issue 39)."""
     from peft import PeftModel
 
-    from vpo_lightning.models import load_base_model, load_policy
+    from vpo_lightning.generation.models import load_base_model, load_policy
 
     sft, _ = load_policy(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_vllm_engine_without_vllm_says_how_to_fix():
 @pytest.mark.gpu
 @pytest.mark.vllm
 def test_vllm_engine_generates_on_gpu():
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.module import VPOModule
 
     module = VPOModule(ModelSettings(name="tiny-llama", lora=LoraSettings(r=4)))
     module.configure_model()
@@ -138,7 +138,7 @@ def test_vllm_engine_generates_on_gpu():
 
 def _tiny_module_and_prompts():
     """The random tiny model with a LoRA adapter, and two prompts of different lengths."""
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.module import VPOModule
 
     module = VPOModule(ModelSettings(name="tiny-llama", dtype="fp32", lora=LoraSettings(r=4)))
     module.configure_model()
@@ -148,7 +148,7 @@ def _tiny_module_and_prompts():
 
 def test_shared_prefix_generation_equals_plain_generation():
     """Prefilling each prompt once and copying its KV cache to the G chains gives the same tokens (top_k = 1)."""
-    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.generation.engines import TransformersEngine
 
     module, prompts = _tiny_module_and_prompts()
     greedy = SamplingSettings(top_k=1, max_new_tokens=6)
@@ -162,7 +162,7 @@ def test_preallocated_kv_layer_returns_what_concatenation_returns():
     """Each update returns exactly the concatenated keys/values (as views of one buffer), also past capacity."""
     from transformers.cache_utils import DynamicLayer
 
-    from vpo_lightning.engines import preallocated_layer_class
+    from vpo_lightning.generation.engines import preallocated_layer_class
 
     g = torch.Generator().manual_seed(0)
     chunks = [(torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)) for n in (5, 1, 1, 3)]
@@ -187,7 +187,7 @@ def test_preallocated_kv_layer_returns_what_concatenation_returns():
 def test_preallocated_kv_layer_from_a_filled_layer_repeats_rows_like_batch_repeat_interleave():
     from transformers.cache_utils import DynamicLayer
 
-    from vpo_lightning.engines import preallocated_layer_class
+    from vpo_lightning.generation.engines import preallocated_layer_class
 
     k, v = torch.arange(24.0).reshape(2, 1, 3, 4), -torch.arange(24.0).reshape(2, 1, 3, 4)
     ref = DynamicLayer()
@@ -202,7 +202,7 @@ def test_preallocated_kv_layer_from_a_filled_layer_repeats_rows_like_batch_repea
 
 def test_preallocated_cache_generation_equals_concatenating_cache():
     """The engine's preallocated KV cache gives the same tokens as transformers' growing cache (top_k = 1)."""
-    from vpo_lightning.engines import TransformersEngine, preallocated_layer_class
+    from vpo_lightning.generation.engines import TransformersEngine, preallocated_layer_class
 
     module, prompts = _tiny_module_and_prompts()
     greedy = SamplingSettings(top_k=1, max_new_tokens=12)
@@ -227,7 +227,7 @@ def test_preallocated_cache_generation_equals_concatenating_cache():
 def test_prefill_skips_the_lm_head(decode_loop):
     """The shared prefill only needs the KV cache: it runs the decoder without the LM head, so every head call is a
     decode step's, on one position (tokens: the plain path's, test above)."""
-    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.generation.engines import TransformersEngine
 
     module, prompts = _tiny_module_and_prompts()
     assert len(prompts[1]) - 1 > 1  # the prefill covers more than one position

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from vpo_lightning import evaluate, runs
-from vpo_lightning.cli import main as vpo
-from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, wrap_lora
+from vpo_lightning.commands import evaluate, runs
+from vpo_lightning.generation.models import LoraSettings, ModelSettings, load_base_model, wrap_lora
+from vpo_lightning.launcher import main as vpo
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"name": "tiny-llama", "dtype": "fp32", "lora": {"r": 4, "alpha": 8}}
@@ -228,8 +228,8 @@ def test_eval_prefills_each_prompt_once_per_record(script_generation):
     records (a different prompt per chain) go row by row. Completions come back in the same order either way."""
     from types import SimpleNamespace
 
-    from vpo_lightning.evaluate import Sampler, generate_rows
-    from vpo_lightning.protocol import ChainProtocol
+    from vpo_lightning.commands.evaluate import Sampler, generate_rows
+    from vpo_lightning.core.protocol import ChainProtocol
 
     class Tok:  # what ScriptedEngine uses of a tokenizer
         def decode(self, ids: list[int]) -> str:
@@ -278,7 +278,7 @@ def test_from_samples_equals_a_smaller_evaluation(tmp_path, script_generation, t
 def test_metrics_read_a_records_real_dimensions_only():
     """A 3-test code record in a 4-column batch: a solution passing its 3 tests solves it (the padding column does
     not count as a failed test), best@k's f is the mean over 3, and per-dimension means skip the padded prompt."""
-    from vpo_lightning.evaluate import PromptPool, aggregate_metrics, prompt_metrics
+    from vpo_lightning.commands.evaluate import PromptPool, aggregate_metrics, prompt_metrics
 
     three = PromptPool({"id": "three"}, torch.tensor([[[1.0, 1.0, 1.0, 0.0]], [[1.0, 0.0, 0.0, 0.0]]]),
                        torch.ones(2, 1, dtype=torch.bool), ["a", "b"], 2, 0, torch.tensor([True, True, True, False]))

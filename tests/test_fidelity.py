@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vpo_lightning.evaluate import build_engine
-from vpo_lightning.module import LossSettings, OptimSettings
+from vpo_lightning.commands.evaluate import build_engine
+from vpo_lightning.training.module import LossSettings, OptimSettings
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")
                  if "_sft" not in p.name)  # SFT configs train no policy loss
@@ -74,7 +74,7 @@ def test_sft_demonstrations_fit_the_chain_budget() -> None:
 
 def test_identical_routes_of_a_training_chain_count_once() -> None:
     """The reference's maze reward scores a chain's distinct routes (dedup_routes); repeats score 0."""
-    from vpo_lightning.protocol import ChainProtocol
+    from vpo_lightning.core.protocol import ChainProtocol
     from vpo_lightning.tasks.maze import generate_maze, make_record, shortest_route
 
     maze = generate_maze(3, 5)

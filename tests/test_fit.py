@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning.cli import main
+from vpo_lightning.launcher import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
 
     from peft import PeftModel
 
-    from vpo_lightning.models import ModelSettings, load_base_model
+    from vpo_lightning.generation.models import ModelSettings, load_base_model
 
     base = load_base_model(ModelSettings(name="tiny-llama", dtype="fp32"))
     PeftModel.from_pretrained(base, str(run / "adapters" / "last"))  # standard PEFT format

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vpo_lightning.decoding import packing_works
-from vpo_lightning.engines import SamplingSettings, TransformersEngine, left_pad
-from vpo_lightning.fused_decode import FusedDecoder, supports
+from vpo_lightning.generation.decoding import packing_works
+from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, left_pad
+from vpo_lightning.generation.fused_decode import FusedDecoder, supports
 
 
 def _reference_logits(model, ids, mask, group_size, steps):

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vpo_lightning.chains import parse_chain
+from vpo_lightning.core.chains import parse_chain
 from vpo_lightning.rewards import RewardVector
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.datamodule import read_jsonl
 from vpo_lightning.rewards import RewardVector
 from vpo_lightning.tasks.livecodebench import (
     build,
@@ -28,6 +27,7 @@ from vpo_lightning.tasks.livecodebench import (
     values_match,
 )
 from vpo_lightning.tasks.public_data import read_records
+from vpo_lightning.training.datamodule import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "livecodebench"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from vpo_lightning.losses import masked_mean, per_token_logprobs, policy_loss
+from vpo_lightning.core.losses import masked_mean, per_token_logprobs, policy_loss
 
 ATOL = 1e-6
 
@@ -54,7 +54,7 @@ def test_chunked_logprobs_match_full_logits_values_and_gradients(chunk_size, tem
 
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_selective_log_softmax_backward_passes_gradcheck(with_entropy):
-    from vpo_lightning.losses import _SelectiveLogSoftmax
+    from vpo_lightning.core.losses import _SelectiveLogSoftmax
 
     logits = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
     targets = torch.tensor([0, 5, 2, 2])

@@ -17,8 +17,6 @@ from vpo_lightning.tasks.maze import (
     SIZES,
     Maze,
     check_maze,
-    draw_main,
-    draw_maze,
     generate_maze,
     make_record,
     maze_reward,
@@ -27,6 +25,7 @@ from vpo_lightning.tasks.maze import (
     shortest_route,
     simulate,
 )
+from vpo_lightning.tasks.maze.draw import draw_main, draw_maze
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "maze"
 SEEDS = range(40)

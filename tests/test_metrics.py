@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpo_lightning.metrics import (
+from vpo_lightning.core.metrics import (
     best_at_k_curve,
     chain_pass_at_k_curve,
     expected_best_weighted,

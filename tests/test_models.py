@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning import models
-from vpo_lightning.models import LoraSettings, ModelSettings, load_policy, load_tokenizer, resolve_model_path
+from vpo_lightning.generation import models
+from vpo_lightning.generation.models import LoraSettings, ModelSettings, load_policy, load_tokenizer, resolve_model_path
 
 
 def test_tiny_alias_and_local_dir_load(tiny_model_dir):
@@ -199,7 +199,7 @@ def test_a_run_that_does_not_quantise_never_imports_bitsandbytes(tmp_path):
     wide = tmp_path / "wide"
     script = f"""
 import sys
-from vpo_lightning import models
+from vpo_lightning.generation import models
 models.load_policy(models.ModelSettings(name="tiny-llama", dtype="fp32", lora=models.LoraSettings(r=2)))
 print("after lora:", "bitsandbytes" in sys.modules)
 models.build_tiny_model(__import__("pathlib").Path({str(wide)!r}), hidden_size=64)
@@ -230,7 +230,7 @@ def test_auto_dtype_is_said_at_load(monkeypatch, caplog, native, picked, why):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
     models._log_auto_dtype.cache_clear()
-    with caplog.at_level(logging.INFO, logger="vpo_lightning.models"):
+    with caplog.at_level(logging.INFO, logger="vpo_lightning.generation.models"):
         base = models.load_base_model(ModelSettings(name="tiny-llama", dtype="auto"))
     assert str(base.dtype) == f"torch.{picked}"
     assert f"model.dtype=auto -> {picked}: " in caplog.text and why in caplog.text

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import build_tiny_module
 
-from vpo_lightning.engines import Generation, SamplingSettings, TransformersEngine
-from vpo_lightning.module import VPOModule, _micro_batches
-from vpo_lightning.protocol import Rollout, build_rollout_tensors
+from vpo_lightning.core.protocol import build_rollout_tensors
+from vpo_lightning.core.types import Generation, Rollout
+from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
+from vpo_lightning.training.module import VPOModule, _micro_batches
 
 
 def _module(**optim) -> VPOModule:
@@ -122,7 +123,7 @@ def _trainable(module: VPOModule, logged: dict) -> None:
 def test_defaults_follow_the_reference():
     """verl as the paper ran it (PAPER_REPRO.md section 2): dual-clip c = 3, AdamW weight decay 0.01, 2 mini-batch
     updates per rollout (train batch 128 x 8 with mini-batch 64)."""
-    from vpo_lightning.module import LossSettings, OptimSettings
+    from vpo_lightning.training.module import LossSettings, OptimSettings
 
     assert LossSettings().dual_clip == 3.0
     assert OptimSettings().weight_decay == 0.01 and OptimSettings().mini_batches == 2
@@ -135,7 +136,7 @@ def test_defaults_follow_the_reference():
 def test_second_mini_batch_update_sees_a_ratio_against_the_pre_update_policy(monkeypatch):
     """With 2 updates per rollout the second half's old log-probs are the policy's before the first update, so its
     PPO ratio differs from 1 (and the clip can act); with 1 update the ratio is exactly 1."""
-    import vpo_lightning.module as module_mod
+    import vpo_lightning.training.module as module_mod
 
     calls = []
     real = module_mod.policy_loss

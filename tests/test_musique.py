@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning import metrics
-from vpo_lightning.datamodule import read_jsonl
+from vpo_lightning.core import metrics
 from vpo_lightning.rewards import RewardVector
 from vpo_lightning.tasks.musique import (
     best_f1,
@@ -22,6 +21,7 @@ from vpo_lightning.tasks.musique import (
     token_f1,
 )
 from vpo_lightning.tasks.public_data import DataUnavailable
+from vpo_lightning.training.datamodule import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "musique"
 GT2 = {"ground_truth": {"answer": "Brightwater College", "answer_aliases": [], "support": [4, 6]}}
@@ -164,8 +164,9 @@ def test_vpo_eval_uses_the_weighted_f(tmp_path, monkeypatch, tiny_model_dir):
     """`vpo eval` on built records with a scripted engine: best@k follows f = (hops + 3 F1) / 7, not the mean."""
     import yaml
 
-    from vpo_lightning.cli import main as vpo
-    from vpo_lightning.engines import Generation, TransformersEngine
+    from vpo_lightning.core.types import Generation
+    from vpo_lightning.generation.engines import TransformersEngine
+    from vpo_lightning.launcher import main as vpo
 
     assert build.main(["--source", str(FIXTURES), "--out", str(tmp_path / "data"), "--per_hop", "1",
                        "--val_per_hop", "0"]) == 0
@@ -207,9 +208,10 @@ def test_grpo_trains_on_the_weighted_f():
     without citations (f 5/7, mean 0.6); VPO still sees the reward vectors."""
     from types import SimpleNamespace
 
-    from vpo_lightning.engines import Engine, Generation
-    from vpo_lightning.models import load_tokenizer
-    from vpo_lightning.rollout import RolloutCallback
+    from vpo_lightning.core.types import Generation
+    from vpo_lightning.generation.engines import Engine
+    from vpo_lightning.generation.models import load_tokenizer
+    from vpo_lightning.training.rollout import RolloutCallback
 
     cites = "<support>4, 6</support><answer>nobody</answer>"
     answers = "<answer>Brightwater College</answer>"

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import build_tiny_module
 
-from vpo_lightning.engines import Generation
-from vpo_lightning.module import VPOModule, _micro_batches
-from vpo_lightning.packing import pack_rows, packed_attention_mask, packed_micro_batches, prompt_groups
-from vpo_lightning.protocol import Rollout, build_rollout_tensors
+from vpo_lightning.core.packing import pack_rows, packed_attention_mask, packed_micro_batches, prompt_groups
+from vpo_lightning.core.protocol import build_rollout_tensors
+from vpo_lightning.core.types import Generation, Rollout
+from vpo_lightning.training.module import VPOModule, _micro_batches
 
 
 def test_mask_prompt_causal_completions_see_prompt_and_themselves():
@@ -127,8 +127,8 @@ def test_segment_attention_equals_sdpa_under_the_block_mask(dtype):
     rounding."""
     import types
 
-    from vpo_lightning.attention import vpo_sdpa
-    from vpo_lightning.packing import packed_attention_mask
+    from vpo_lightning.core.packing import packed_attention_mask
+    from vpo_lightning.generation.attention import vpo_sdpa
 
     g = torch.Generator().manual_seed(0)
     p, lengths = 5, [4, 0, 3, 1]

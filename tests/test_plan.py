@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning import plan as vplan
+from vpo_lightning.commands import plan as vplan
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

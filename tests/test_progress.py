@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from vpo_lightning.progress import NoiseFilter
+from vpo_lightning.training.progress import NoiseFilter
 
 
 def _record(message: str) -> logging.LogRecord:

@@ -28,10 +28,10 @@ import pytest
 import torch
 from conftest import ScriptedEngine, build_tiny_module
 
-from vpo_lightning.engines import Generation
-from vpo_lightning.models import ModelSettings
-from vpo_lightning.module import VPOModule
-from vpo_lightning.rollout import Rollout, RolloutCallback, build_rollout_tensors
+from vpo_lightning.core.types import Generation, Rollout
+from vpo_lightning.generation.models import ModelSettings
+from vpo_lightning.training.module import VPOModule
+from vpo_lightning.training.rollout import RolloutCallback, build_rollout_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 # Per-step train/loss, reward/all/mean, kl and grad_norm of a resumed run vs an uninterrupted one may differ by at most
@@ -83,7 +83,7 @@ def test_non_finite_loss_skips_the_step_logs_it_and_does_not_poison_the_next(cap
     module = _module(mini_batches=1)  # one update per rollout: the NaN reaches the step's only update
     before = _lora(module)
     bad = _rollout(module, torch.tensor([1.0, float("nan"), -1.0, 0.5]))
-    with caplog.at_level(logging.WARNING, logger="vpo_lightning.module"):
+    with caplog.at_level(logging.WARNING, logger="vpo_lightning.training.module"):
         module.training_step({"rollout": bad, "records": []}, 0)
     assert not _changed(module, before), "a non-finite step must not touch the weights"
     assert module.logged[-1]["train/skipped_steps"] == 1.0 and math.isnan(module.logged[-1]["train/grad_norm"])
@@ -169,7 +169,7 @@ def test_constant_reward_groups_give_zero_advantages(estimator):
 
 
 def _tokenizer_holder() -> SimpleNamespace:
-    from vpo_lightning.models import load_tokenizer
+    from vpo_lightning.generation.models import load_tokenizer
 
     if not hasattr(_tokenizer_holder, "tok"):
         _tokenizer_holder.tok = load_tokenizer("tiny-llama")
@@ -213,7 +213,7 @@ def test_empty_generations_are_handled(lengths):
 
 def test_setup_cleans_up_after_a_kill_during_a_checkpoint_write(tmp_path):
     """Stray temp files are removed at start; an adapter caught between its two renames is put back."""
-    from vpo_lightning.checkpointing import AdapterCheckpoint
+    from vpo_lightning.training.checkpointing import AdapterCheckpoint
 
     (tmp_path / "last.ckpt").write_bytes(b"complete")
     (tmp_path / "last.ckpt.tmp").write_bytes(b"torn")
@@ -249,7 +249,7 @@ def _short_data(path: Path, n: int = 8) -> Path:
 # test with nothing to compare). This engine cuts the model's own samples into 3 tagged answers, and two rewards
 # that vary with any text score them; the training tokens stay the model's. Imported by ``vpo`` from its cwd.
 HELPERS = """
-from vpo_lightning.engines import TransformersEngine
+from vpo_lightning.generation.engines import TransformersEngine
 
 
 class TaggingEngine(TransformersEngine):
@@ -421,7 +421,7 @@ def test_kill_9_anywhere_then_resume(straight_run, tmp_path):
 
     from peft import PeftModel
 
-    from vpo_lightning.models import load_base_model
+    from vpo_lightning.generation.models import load_base_model
 
     base = load_base_model(ModelSettings(name="tiny-llama", dtype="fp32"))
     PeftModel.from_pretrained(base, str(run / "adapters" / "last"))  # the exported adapter is whole too
@@ -431,7 +431,7 @@ def test_kill_9_anywhere_then_resume(straight_run, tmp_path):
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     """From step 2 on every loss is NaN: steps are skipped, the run stops after max_bad_steps with ``vpo: error``,
     and last.ckpt still holds step 2 and loads."""
-    from vpo_lightning.cli import main
+    from vpo_lightning.launcher import main
 
     original = VPOModule._backward_pass
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning.evaluate import FORMAT
-from vpo_lightning.replicates import bootstrap_interval, main, parse_group, prompt_values
+from vpo_lightning.commands.evaluate import FORMAT
+from vpo_lightning.commands.replicates import bootstrap_interval, main, parse_group, prompt_values
 
 
 def _report(label: str, best: dict[str, list[float]], estimator: str = "vpo", tokens: int | None = 100) -> dict:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import ScriptedEngine
 
-from vpo_lightning.models import load_tokenizer
-from vpo_lightning.rollout import RolloutCallback, derive_seed
+from vpo_lightning.generation.models import load_tokenizer
+from vpo_lightning.training.rollout import RolloutCallback, derive_seed
 
 GOLD = [{"get_weather": {"city": ["Paris"]}}]
 TOOLS = [{"name": "get_weather", "description": "weather", "parameters": {"type": "dict", "properties": {
@@ -110,7 +110,7 @@ def test_max_at_k_group_size_and_k_are_checked_and_k_is_used(module):
         RolloutCallback(rewards=["format"], estimator="max_at_k", group_size=4, max_at_k_k=4)
     with pytest.raises(ValueError, match="max_at_k_k must be null or a positive int"):
         RolloutCallback(rewards=["format"], estimator="max_at_k", group_size=4, max_at_k_k=0)
-    from vpo_lightning.advantages import max_at_k
+    from vpo_lightning.core.advantages import max_at_k
 
     partial = '<think>ok</think>\n<tool_call>\n{"name": "get_weather", "parameters": {"city": "Rome"}}\n</tool_call>'
     cb = _callback([GOOD, WRONG, partial, "nothing"], estimator="max_at_k", max_at_k_k=3)
@@ -121,7 +121,7 @@ def test_max_at_k_group_size_and_k_are_checked_and_k_is_used(module):
 
 
 def test_gdpo_rollout_whitens_by_generated_tokens(module):
-    from vpo_lightning.advantages import gdpo
+    from vpo_lightning.core.advantages import gdpo
 
     cb = _callback([GOOD, WRONG + " and a much longer tail of text " * 3, "x", GOOD + " ok"], estimator="gdpo")
     ro = cb.rollout(module, _batch(2), step=0)

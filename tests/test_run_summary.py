@@ -41,9 +41,9 @@ def test_missing_event_files_is_a_clear_error(tmp_path):
         run_summary.read_scalars(tmp_path)
 
 
-# The other readers of the same files go through vpo_lightning.runs.read_scalars too.
+# The other readers of the same files go through vpo_lightning.commands.runs.read_scalars too.
 def test_training_tokens_counts_steps_before_the_checkpoint(tmp_path):
-    from vpo_lightning.evaluate import training_tokens
+    from vpo_lightning.commands.evaluate import training_tokens
 
     run = tmp_path / "run"
     _write(run, {"train/rollout/tokens": [(0, 10.0), (1, 20.0), (2, 30.0), (3, 40.0)]}, time.time())

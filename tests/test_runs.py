@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning import plan as vplan
-from vpo_lightning import runs
-from vpo_lightning.datamodule import PromptDataModule
-from vpo_lightning.engines import SamplingSettings
-from vpo_lightning.models import ModelSettings
-from vpo_lightning.module import OptimSettings
-from vpo_lightning.rollout import RolloutCallback
+from vpo_lightning.commands import plan as vplan
+from vpo_lightning.commands import runs
+from vpo_lightning.generation.engines import SamplingSettings
+from vpo_lightning.generation.models import ModelSettings
+from vpo_lightning.training.datamodule import PromptDataModule
+from vpo_lightning.training.module import OptimSettings
+from vpo_lightning.training.rollout import RolloutCallback
 
 CONFIG = """\
 run_name: interp
@@ -66,7 +66,7 @@ def test_run_settings_fill_the_code_defaults(tmp_path):
     assert s.batch_size == runs.default_of(PromptDataModule, "batch_size") == 2
     assert s.group_size == 6 and runs.default_of(RolloutCallback, "group_size") == 8
     assert s.engine == "TransformersEngine"
-    vllm = runs.run_settings({"rollout": {"engine": {"class_path": "vpo_lightning.engines.VLLMEngine",
+    vllm = runs.run_settings({"rollout": {"engine": {"class_path": "vpo_lightning.generation.engines.VLLMEngine",
                                                      "init_args": {"max_model_len": 2048}}}})
     assert vllm.engine == "VLLMEngine" and vllm.engine_args["max_model_len"] == 2048
     assert vllm.engine_args["gpu_memory_utilization"] == 0.3  # VLLMEngine's own default

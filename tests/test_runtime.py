@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from vpo_lightning.runtime import ThreadPolicy, busy_jiffies, parse_threads, threads_for_load, tune_malloc
+from vpo_lightning.generation.threads import ThreadPolicy, busy_jiffies, parse_threads, threads_for_load
+from vpo_lightning.training.runtime import tune_malloc
 
 
 def test_opt_out_env_var_disables_tuning(monkeypatch):
@@ -105,7 +106,7 @@ def test_fixed_policy_sets_the_count():
 
 
 def test_engine_rejects_a_bad_threads_setting():
-    from vpo_lightning.engines import TransformersEngine
+    from vpo_lightning.generation.engines import TransformersEngine
 
     with pytest.raises(ValueError, match="threads: 'many'"):
         TransformersEngine(threads="many")

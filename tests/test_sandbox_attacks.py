@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from vpo_lightning import sandbox
+from vpo_lightning.sandbox import _modes
 from vpo_lightning.tasks.code import code_tests_reward, run_tests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def mode(request, monkeypatch):
     """Force one isolation mode (skipped where this machine cannot provide it)."""
     monkeypatch.setenv("VPO_SANDBOX_ISOLATION", request.param)
     monkeypatch.setenv("VPO_TEST_SECRET", SECRET)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     if request.param == "root" and os.geteuid() != 0:
         pytest.skip("root mode needs root")
     kind = sandbox.isolation_info()["kind"]
@@ -72,7 +73,7 @@ def run(request, monkeypatch):
     """``run(code, **kwargs) -> dict`` of a :class:`~vpo_lightning.sandbox.SandboxResult`, in one kernel mode. As
     root, ``userns`` runs through an unprivileged user (a root trainer is refused ``userns`` mode)."""
     monkeypatch.setenv("VPO_SANDBOX_ISOLATION", request.param)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     if request.param == "root":
         if os.geteuid() != 0:
             pytest.skip("root mode needs root")
@@ -356,7 +357,7 @@ def test_data_file_code_never_runs_in_the_trainer(mode: str) -> None:
 
 def test_code_records_without_tests_are_rejected(tmp_path: Path) -> None:
     """The data check names the file and line of a code record with no tests."""
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.training.datamodule import read_jsonl
 
     good = {"task": "code", "messages": [{"role": "user", "content": "x"}],
             "ground_truth": {"entry_point": "f", "prompt": "def f(): pass\n", "tests": ["assert candidate() is None"]}}
@@ -408,7 +409,7 @@ def test_without_kernel_isolation_untrusted_code_is_refused(monkeypatch, caplog)
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
     monkeypatch.delenv("VPO_SANDBOX_ISOLATION", raising=False)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     with caplog.at_level("INFO", logger="vpo_lightning.sandbox"):
         assert sandbox.isolation_info()["kind"] == "unavailable"
         with pytest.raises(sandbox.SandboxUnavailable, match=sandbox.WEAK_FLAG):
@@ -416,7 +417,7 @@ def test_without_kernel_isolation_untrusted_code_is_refused(monkeypatch, caplog)
         with pytest.raises(sandbox.SandboxUnavailable):
             toy("def add(a, b):\n    return a + b")
         monkeypatch.setenv(sandbox.WEAK_FLAG, "1")
-        monkeypatch.setattr(sandbox, "_ISO", None)
+        monkeypatch.setattr(_modes, "_ISO", None)
         result = sandbox.run_python("print(1)")
     assert result.ok and result.isolation == "weak" and result.stdout == "1\n"
     assert "refused" in caplog.text and "WEAK" in caplog.text
@@ -450,7 +451,7 @@ def test_root_trainer_is_refused_userns_mode(monkeypatch) -> None:
         pytest.skip("needs root")
     monkeypatch.setenv("VPO_SANDBOX_ISOLATION", "userns")
     monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     with pytest.raises(sandbox.SandboxUnavailable, match="setpriv"):
         sandbox.run_python("print(1)")
 
@@ -536,18 +537,18 @@ def test_a_missing_layer_is_a_warning_or_with_strict_an_error(monkeypatch, caplo
 
     monkeypatch.delenv("VPO_SANDBOX_ISOLATION", raising=False)
     monkeypatch.delenv(sandbox.WEAK_FLAG, raising=False)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     if sandbox.isolation_info()["kind"] not in ("root", "userns"):
         pytest.skip("needs kernel isolation")
     monkeypatch.setattr(_seccomp, "program", lambda machine=None: None)
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     with caplog.at_level("INFO", logger="vpo_lightning.sandbox"):
         info = sandbox.isolation_info()
     assert info["seccomp"] is False and any("seccomp" in m for m in info["missing"])
     assert any(r.levelname == "WARNING" and "seccomp" in r.getMessage() and sandbox.STRICT_FLAG in r.getMessage()
                for r in caplog.records)
     monkeypatch.setenv(sandbox.STRICT_FLAG, "1")
-    monkeypatch.setattr(sandbox, "_ISO", None)
+    monkeypatch.setattr(_modes, "_ISO", None)
     with pytest.raises(sandbox.SandboxUnavailable, match="seccomp"):
         sandbox.run_python("print(1)")
 
@@ -558,8 +559,8 @@ def test_uid_pool_as_small_as_the_scoring_threads(mode: str, monkeypatch) -> Non
     from vpo_lightning.tasks.code import score_candidates
 
     workers = 4
-    pool = sandbox._UidPool(workers)
-    monkeypatch.setattr(sandbox, "_UIDS", pool)
+    pool = _modes._UidPool(workers)
+    monkeypatch.setattr(_modes, "_UIDS", pool)
     record = {"ground_truth": TOY}
     done: list = []
     thread = threading.Thread(target=lambda: done.append(score_candidates(

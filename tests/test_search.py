@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vpo_lightning.cli import main as vpo
-from vpo_lightning.search import chains_for
+from vpo_lightning.commands.search import chains_for
+from vpo_lightning.launcher import main as vpo
 from vpo_lightning.tasks.code import load_humaneval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def _search(*args: str) -> dict:
 
 
 def _num_tests(task_id: str) -> int:
-    from vpo_lightning.datamodule import read_jsonl
+    from vpo_lightning.training.datamodule import read_jsonl
 
     code = Path(__file__).resolve().parents[1] / "data" / "code"
     records = {r["id"]: r for split in ("train", "val", "test") for r in read_jsonl(code / f"{split}.jsonl")}

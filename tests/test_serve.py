@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from vpo_lightning.models import LoraSettings, ModelSettings, load_base_model, prompt_token_ids, wrap_lora
+from vpo_lightning.generation.models import LoraSettings, ModelSettings, load_base_model, prompt_token_ids, wrap_lora
 from vpo_lightning.serve import ServeSettings, build_server, load_for_serving, parse_messages
 
 openai = pytest.importorskip("openai", reason="the openai client is in the dev extra: pip install 'openai>=1.40'")
@@ -327,7 +327,7 @@ def test_close_ends_keep_alive_connections(server):
 
 def test_decode_json_limits():
     from vpo_lightning.serve import APIError, decode_json
-    from vpo_lightning.serve.protocol import MAX_JSON_DEPTH, value_depth
+    from vpo_lightning.serve.openai_api import MAX_JSON_DEPTH, value_depth
 
     assert value_depth(json.loads('{"a": [1, {"b": "[[[{{{"}], "c": "\\"]]]"}')) == 3  # strings do not count
     assert value_depth([]) == 1 and value_depth("x") == 0

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpo_lightning.chains import build_instruction, parse_chain
-from vpo_lightning.models import ModelSettings, load_base_model, load_tokenizer, prompt_token_ids, wrap_lora
+from vpo_lightning.core.chains import build_instruction, parse_chain
+from vpo_lightning.generation.models import ModelSettings, load_base_model, load_tokenizer, prompt_token_ids, wrap_lora
 from vpo_lightning.sft.data import pack_examples, tokenize_example
 from vpo_lightning.sft.demos import FAMILIES, build_demos, check_training_file, held_out_prompts, prompt_key
 from vpo_lightning.sft.module import lr_factor, row_nll
@@ -136,7 +136,7 @@ def test_adapter_is_the_start_and_the_kl_reference(tiny_model_dir, tmp_path):
     policy, not the raw base; there is one copy of the base (reference is None)."""
     from peft import PeftModel
 
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.module import VPOModule
 
     adapter = _sft_adapter(tmp_path)
     sft = PeftModel.from_pretrained(load_base_model(ModelSettings(**TINY)), str(adapter)).eval()
@@ -169,7 +169,7 @@ def test_adapter_is_the_start_and_the_kl_reference(tiny_model_dir, tmp_path):
 
 
 def test_adapter_full_finetune_reference_is_sft(tiny_model_dir, tmp_path):
-    from vpo_lightning.models import load_policy
+    from vpo_lightning.generation.models import load_policy
 
     adapter = _sft_adapter(tmp_path)
     policy, ref = load_policy(ModelSettings(**{**TINY, "lora": {"enabled": False}}, adapter=str(adapter)))
@@ -291,6 +291,25 @@ def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
     assert 0.0 < gold / n < 0.6 and 0.0 < diamond / n < 0.6  # zones by chance, neither side favoured
 
 
+def test_maze_direct_chains_are_completed_with_one_detour_routes():
+    from vpo_lightning.sft.demos import distances_to_exit
+    from vpo_lightning.tasks.maze import Maze, maze_reward
+
+    train = REPO / "data" / "maze" / "5x5" / "train.jsonl"
+    by_id = {r["id"]: r for r in _records(train, 60)}
+    direct = [d for d in build_demos([train], "maze_direct", [1, 3])[0] if d["source_id"] in by_id]
+    shortest = [d for d in build_demos([train], "maze_shortest", [1])[0] if d["source_id"] in by_id]
+    assert [d for d in direct if d["m"] == 1] == shortest  # the same single answers as maze_shortest
+    lengths = []
+    for d in (d for d in direct if d["m"] == 3):
+        record = by_id[d["source_id"]]
+        best = distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
+        routes = parse_chain(d["completion"], 3, "route")
+        assert len(set(routes)) == 3 and all(maze_reward(r, record)[0] == 1.0 for r in routes)
+        lengths += [len(r.split()) - best for r in routes]
+    assert set(lengths) <= {0, 2, 4, 6} and lengths.count(0) + lengths.count(2) >= 0.95 * len(lengths)
+
+
 # ---------------------------------------------------------------------------------------------- CLI, resume
 
 
@@ -375,9 +394,9 @@ def test_vpo_sft_end_to_end(tiny_model_dir, tmp_path):
 
 def test_fit_cli_takes_a_starting_adapter(in_repo):
     """`vpo fit --model.model.adapter DIR` (what `make fit` runs) parses into ModelSettings.adapter."""
-    from vpo_lightning.cli import VPOCLI
-    from vpo_lightning.datamodule import PromptDataModule
-    from vpo_lightning.module import VPOModule
+    from vpo_lightning.training.cli import VPOCLI
+    from vpo_lightning.training.datamodule import PromptDataModule
+    from vpo_lightning.training.module import VPOModule
 
     cli = VPOCLI(VPOModule, PromptDataModule, run=False,
                  args=["--config", "configs/tooluse.yaml", "--trainer.accelerator=cpu",

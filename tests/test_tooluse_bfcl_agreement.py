@@ -12,7 +12,7 @@ with that one module replaced by a minimal stand-in holding one entry, ``"stand-
 is False (function names are kept as given, dots included, as in our prompts). Nothing else is stood in.
 
 Result: full agreement (0 disagreements) on all 1240 test records x 8 candidate kinds. The rewards reconcile the
-gold with the function documents the way BFCL does (see vpo_lightning.tasks.tooluse.reward); before that, 7 gold-derived
+gold with the function documents the way BFCL does (see vpo_lightning.tasks.tooluse.calls); before that, 7 gold-derived
 candidates disagreed because of BFCL gold/document inconsistencies (see test_gold_doc_inconsistencies...).
 
 Deliberate differences (by the spec, VPO-SPEC section 8), none of which the perturbations below trigger, and which
@@ -39,7 +39,7 @@ import pytest
 
 from vpo_lightning.tasks.tooluse import format_answer
 from vpo_lightning.tasks.tooluse.build import TEST_CATEGORIES, bfcl_data_dir, load_category
-from vpo_lightning.tasks.tooluse.reward import parse_output, tooluse_rewards
+from vpo_lightning.tasks.tooluse.calls import parse_output, tooluse_rewards
 
 pytest.importorskip("bfcl_eval", reason="bfcl-eval is not installed (pip install --no-deps bfcl-eval)")
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vpo_lightning.rewards import RewardVector, get_reward
 from vpo_lightning.tasks.tooluse import build_messages, format_answer, to_json_schema
-from vpo_lightning.tasks.tooluse.reward import best_match, parse_output, string_match, tooluse_rewards, value_match
+from vpo_lightning.tasks.tooluse.calls import best_match, parse_output, string_match, tooluse_rewards, value_match
 
 NAMES = ["format", "tool_name", "arg_key", "arg_value"]
 

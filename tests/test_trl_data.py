@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.records import read_records, template_tools
 from vpo_lightning.rewards import RewardVector, get_reward
+from vpo_lightning.training.records import read_records, template_tools
 
 STANDARD = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+3?", "answer": "6"}]
 CONVERSATIONAL = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
@@ -87,7 +87,7 @@ TOOLS_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }}
 
 
 def test_record_tools_reach_the_chat_template(tmp_path):
-    from vpo_lightning.models import load_tokenizer, prompt_token_ids
+    from vpo_lightning.generation.models import load_tokenizer, prompt_token_ids
 
     tok = load_tokenizer("tiny-llama")
     tok.chat_template = TOOLS_TEMPLATE
@@ -180,8 +180,9 @@ def test_dotted_reward_imports_from_the_working_directory(tmp_path, monkeypatch)
 def test_api_refuses_an_existing_run_before_touching_its_inputs(tmp_path, monkeypatch):
     """The notebook entry point writes its data into the run folder: an existing run is refused first (as by
     `vpo fit`), and the entry point's own inputs do not make a fresh folder count as a run."""
-    from vpo_lightning import api, cli
-    from vpo_lightning.run_folders import claim
+    from vpo_lightning import api
+    from vpo_lightning.training import cli
+    from vpo_lightning.training.run_folders import claim
 
     monkeypatch.setattr(cli, "OUTPUT_ROOT", str(tmp_path))
     run = tmp_path / "old"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.launcher import LIGHTNING_COMMANDS, main
-from vpo_lightning.tools import COMMANDS
+from vpo_lightning.launcher import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.yaml")
@@ -27,12 +26,12 @@ def test_top_level_help_lists_every_command_without_importing_torch():
     proc = _run("-c", "import sys; from vpo_lightning.launcher import main; main(['--help']); "
                       "print('heavy:', sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
     assert proc.returncode == 0, proc.stderr
-    for name in (*LIGHTNING_COMMANDS, *COMMANDS):
+    for name in COMMANDS:
         assert f"\n  {name} " in proc.stdout, name
-    for name in ("sft", "eval", "compare", "plan", "serve", "search"):
+    for name in ("fit", "validate", "sft", "eval", "compare", "replicates", "plan", "serve", "search", "export"):
         assert f"\n  {name} " in proc.stdout
     assert "heavy: []" in proc.stdout
-    assert "test" not in LIGHTNING_COMMANDS and "predict" not in LIGHTNING_COMMANDS
+    assert "test" not in COMMANDS and "predict" not in COMMANDS
 
 
 @pytest.mark.parametrize("name", ["test", "predict"])
@@ -89,14 +88,14 @@ def test_torch_dtype_spellings_name_file_line_and_ours(value, ours, capsys, tmp_
     ("24", "--gpu-mem '24': give a unit, e.g. --gpu-mem 24GB"),
 ])
 def test_plan_gpu_mem_needs_a_size_with_a_unit(gpu_mem, expected, capsys):
-    from vpo_lightning import plan
+    from vpo_lightning.commands import plan
 
     assert plan.main(["--config", str(REPO / "configs/tooluse.yaml"), "--gpu-mem", gpu_mem]) == 2
     assert expected in capsys.readouterr().err
 
 
 def test_plan_without_gpu_asks_for_the_card_size(capsys, monkeypatch):
-    from vpo_lightning import plan
+    from vpo_lightning.commands import plan
 
     monkeypatch.setattr(plan, "_default_capacity", lambda: (24.0 * 2**30, "cpu"))  # a CPU-only machine
     assert plan.main(["--config", str(REPO / "configs/tooluse_qwen7b_qlora.yaml")]) == 2
@@ -108,7 +107,7 @@ def test_plan_without_gpu_asks_for_the_card_size(capsys, monkeypatch):
 
 def test_one_flag_style_for_argparse_commands(capsys):
     """--gpu_mem = --gpu-mem, and --section.key VALUE = --set section.key=VALUE, as in `vpo fit`."""
-    from vpo_lightning import plan
+    from vpo_lightning.commands import plan
 
     args = ["--config", str(REPO / "configs/tooluse.yaml")]
     assert plan.main([*args, "--gpu-mem", "24GB", "--set", "model.optim.micro_batch_size=2"]) == 0
@@ -119,6 +118,7 @@ def test_one_flag_style_for_argparse_commands(capsys):
 
 @pytest.mark.slow  # importing bitsandbytes takes ~15 s on a busy 2-core machine
 def test_bitsandbytes_kernel_hub_warning_is_dropped():
-    proc = _run("-c", "from vpo_lightning.cli import prepare_process; prepare_process(); import bitsandbytes")
+    proc = _run("-c", "from vpo_lightning.training.runtime import prepare_process; prepare_process(); "
+                      "import bitsandbytes")
     assert proc.returncode == 0, proc.stderr
     assert "kernels-community" not in proc.stderr

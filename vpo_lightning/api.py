@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.records import read_records
+from vpo_lightning.training.records import read_records
 
 
 def _write_dataset(dataset: Any, path: Path) -> str:
@@ -80,9 +80,10 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
     Raises:
         ValueError: bad records, reward signatures or settings, with the message ``vpo fit`` would print.
     """
-    from vpo_lightning import cli
     from vpo_lightning.rewards import register_callable
-    from vpo_lightning.run_folders import held_files
+    from vpo_lightning.training import cli
+    from vpo_lightning.training.run_folders import held_files
+    from vpo_lightning.training.runtime import prepare_process
 
     names = [f if isinstance(f, str) else register_callable(f) for f in reward_funcs]
     run_dir = Path(cli.OUTPUT_ROOT) / run_name
@@ -110,12 +111,12 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
     import yaml
 
     api_config.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
-    cli.prepare_process()
+    prepare_process()
     args = ["fit", *(["--config", str(config)] if config else []), "--config", str(api_config)]
     try:
         cli.run_lightning(args)
     finally:
-        from vpo_lightning import progress
+        from vpo_lightning.training import progress
 
         progress.print_action_needed()
     return run_dir

@@ -42,13 +42,13 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from vpo_lightning.records import DERIVED
+from vpo_lightning.core.types import DERIVED, RewardScores
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +220,6 @@ def get_reward(name: str) -> RewardEntry:
         f"unknown reward {name!r}.{hint} Registered rewards: {', '.join(sorted(REWARDS))}; "
         "or give a dotted path such as my_pkg.rewards.my_fn"
     )
-
-
-@dataclass
-class RewardScores:
-    """Scores of one rollout batch. N chains, m candidates, D dimensions."""
-
-    rewards: Tensor  # [N, m, D] float32 in [0, 1]; zero rows where absent or where a reward failed
-    mask: Tensor  # [N, m] bool, True where the candidate is present
-    num_errors: int = 0  # reward calls that raised or returned an invalid value (their candidate scored 0)
-    errors: list[str] = field(default_factory=list)  # the first few error reports
-    dim_mask: Tensor | None = None  # [N, D] bool, True on each chain's record's real dimensions; None = all real
 
 
 class RewardDeclarationError(ValueError):

@@ -1,6 +1,6 @@
 """``vpo serve``: an OpenAI-compatible chat-completions server with request batching, in three layers.
 
-- :mod:`~vpo_lightning.serve.protocol`: OpenAI's request and error shapes, limits (:class:`ServeSettings`) and
+- :mod:`~vpo_lightning.serve.openai_api`: OpenAI's request and error shapes, limits (:class:`ServeSettings`) and
   validation; every malformed request is a 4xx, without HTTP or a model.
 - :mod:`~vpo_lightning.serve.batching`: the worker thread that owns the model and batches queued requests with equal
   sampling parameters into one ``generate`` call.
@@ -10,7 +10,7 @@
 """
 
 from vpo_lightning.serve.batching import BatchGenerator, Choice, Job, StopOnStrings
-from vpo_lightning.serve.protocol import (
+from vpo_lightning.serve.openai_api import (
     APIError,
     ChatRequest,
     SamplingKey,

@@ -1,8 +1,8 @@
 """The batching worker of ``vpo serve``: one thread owns the model and turns queued requests into ``generate`` calls.
 
-HTTP handler threads validate and tokenize a request (:mod:`vpo_lightning.serve.protocol`), then queue a :class:`Job`.
+HTTP handler threads validate and tokenize a request (:mod:`vpo_lightning.serve.openai_api`), then queue a :class:`Job`.
 The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job and every other pending job with
-the same :class:`~vpo_lightning.serve.protocol.SamplingKey` (temperature, top-p, top-k, max_tokens, ignore_eos,
+the same :class:`~vpo_lightning.serve.openai_api.SamplingKey` (temperature, top-p, top-k, max_tokens, ignore_eos,
 seed, adapter on/off) up to ``max_batch_size`` rows, and runs them as one ``generate`` call; stop strings are checked
 per row while generating. Jobs with other keys wait for the next call. A failed call answers its jobs with a 500
 and is counted in ``stats["errors"]``; the worker keeps serving.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.serve.protocol import APIError, SamplingKey
+from vpo_lightning.serve.openai_api import APIError, SamplingKey
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class BatchGenerator:
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device | str = "cpu", max_batch_size: int = 64,
                  batch_wait_s: float = 0.01, max_regroup_s: float = 2.0) -> None:
-        from vpo_lightning.engines import eos_token_ids
+        from vpo_lightning.generation.engines import eos_token_ids
 
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         self.max_batch_size, self.batch_wait_s, self.max_regroup_s = max_batch_size, batch_wait_s, max_regroup_s
@@ -205,7 +205,7 @@ class BatchGenerator:
 
         from transformers import StoppingCriteriaList
 
-        from vpo_lightning.engines import left_pad
+        from vpo_lightning.generation.engines import left_pad
 
         key = jobs[0].key
         rows = [job.prompt_ids for job in jobs for _ in range(job.n)]

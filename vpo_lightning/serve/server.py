@@ -8,8 +8,8 @@
 Endpoints: ``POST /v1/chat/completions`` (``messages``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``; vLLM's ``top_k`` and ``ignore_eos`` extensions), ``GET /v1/models``,
 ``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's chat template
-(:func:`vpo_lightning.models.prompt_token_ids`), exactly as in training. No streaming. A request with a ``seed``
-is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
+(:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training. No streaming. A request with a
+``seed`` is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
 the batch is the same); ``--ignore-seed`` drops seeds so that they batch with everything.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
@@ -26,7 +26,7 @@ strings are checked per sequence while generating. Requests with other parameter
 Limits: request bodies over ``--max-request-bytes`` get 413, more than ``--max-concurrency`` requests in flight get
 429 (OpenAI clients retry those), ``n`` above ``--max-n`` and ``max_tokens`` above ``--max-tokens-limit`` or past
 the model's context get 400, and so does every malformed body (wrong types, nesting deeper than 64, integers of more
-than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.protocol`; the body is
+than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.openai_api`; the body is
 checked in linear time). Messages longer than the context could hold (context x the longest token's characters) get
 400 before any tokenization; prompts over 16k characters are tokenized by a second tokenizer copy, so long prompts
 wait for each other, never short ones. Errors use OpenAI's shape: ``{"error": {"message", "type", "param",
@@ -66,9 +66,10 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.commands.tools import parse_args
 from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job
-from vpo_lightning.serve.protocol import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
-from vpo_lightning.tools import parse_args, report_error
+from vpo_lightning.serve.openai_api import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
+from vpo_lightning.training.runtime import report_error
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class OpenAIServer(ThreadingHTTPServer):
     # the chat-completions endpoint
     def build_job(self, body: Any) -> tuple[Job, str]:
         """Validate a request body into a :class:`Job` and the model id it names."""
-        from vpo_lightning.models import prompt_token_ids
+        from vpo_lightning.generation.models import prompt_token_ids
 
         request = parse_chat_request(body, self.settings, self.models, self.default_model)
         chars = sum(len(m["content"]) for m in request.messages)
@@ -504,13 +505,16 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
 
 def load_for_serving(config: str | None, adapter: str | None, ckpt: str | None, overrides: list[str],
                      device: torch.device) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, model settings, config dict)`` for ``vpo serve``, loaded like ``vpo eval`` does."""
-    from vpo_lightning import runs
-    from vpo_lightning.models import load_tokenizer
+    """``(model, tokenizer, model settings, parsed config)`` for ``vpo serve``, loaded like ``vpo eval`` does (the
+    config parsed as `vpo fit` parses it: ``vpo_lightning.commands.runs.run_config``)."""
+    from vpo_lightning.commands import runs
+    from vpo_lightning.generation.models import load_tokenizer
 
-    cfg = runs.load_config(runs.find_config(config, ckpt, adapter), overrides, require=("rollout",))
+    path = runs.find_config(config, ckpt, adapter)
+    cfg = runs.load_config(path, overrides, require=("rollout",))
+    parsed = runs.run_config(cfg, str(path))  # before loading: a bad value fails fast
     model, settings, _ = runs.load_model(cfg, device, ckpt=ckpt, adapter=adapter)
-    return model.eval(), load_tokenizer(settings.name), settings, cfg
+    return model.eval(), load_tokenizer(settings.name), settings, parsed
 
 
 def _is_loopback(host: str) -> bool:
@@ -563,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo serve``: load, bind, serve until Ctrl-C or SIGTERM."""
-    from vpo_lightning.runs import pick_device
+    from vpo_lightning.commands.runs import pick_device
 
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -573,8 +577,7 @@ def main(argv: list[str]) -> int:
         device = pick_device(args.device)
         model, tokenizer, model_settings, cfg = load_for_serving(args.config, args.adapter, args.ckpt,
                                                                  args.overrides, device)
-        default_tokens = args.default_max_tokens or int(((cfg.get("rollout") or {}).get("sampling") or {})
-                                                        .get("max_new_tokens", 256))
+        default_tokens = args.default_max_tokens or int(cfg.value("rollout.sampling.max_new_tokens"))
         settings = ServeSettings(
             max_concurrency=args.max_concurrency, max_tokens_limit=args.max_tokens_limit,
             max_request_bytes=args.max_request_bytes, max_n=args.max_n, max_batch_size=args.max_batch_size,

@@ -16,11 +16,11 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser
 
-from vpo_lightning.checkpointing import AdapterCheckpoint
-from vpo_lightning.cli import TRAINER_DEFAULTS, VPOCLI
 from vpo_lightning.sft.data import SFTDataModule
 from vpo_lightning.sft.module import SFTModule
-from vpo_lightning.tools import report_error
+from vpo_lightning.training.checkpointing import AdapterCheckpoint
+from vpo_lightning.training.cli import TRAINER_DEFAULTS, VPOCLI
+from vpo_lightning.training.runtime import report_error
 
 
 class SFTCLI(VPOCLI):
@@ -47,7 +47,7 @@ def make_cli(args: list[str], run: bool = True) -> SFTCLI:
 
 
 def main(args: list[str]) -> Any:
-    """``vpo sft ...`` (called by :func:`vpo_lightning.cli.main`)."""
+    """``vpo sft ...`` (called by :func:`vpo_lightning.launcher.main`)."""
     warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
     try:
         make_cli(args)

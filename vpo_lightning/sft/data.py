@@ -1,15 +1,15 @@
 """SFT data: demonstrations tokenised as rollouts see them, a held-out part for the validation loss, and packing.
 
-Tokenisation matches the rollout exactly: the prompt is :func:`vpo_lightning.models.prompt_token_ids` of the
+Tokenisation matches the rollout exactly: the prompt is :func:`vpo_lightning.generation.models.prompt_token_ids` of the
 messages (chat template with the assistant generation prompt), the completion is the demonstration text followed
 by the tokenizer's EOS (where generation stops). Only completion tokens carry loss.
 
 Packing puts several examples in one row ``[prompt_1 | completion_1 | prompt_2 | completion_2 | ...]`` with a
-block-diagonal causal mask (:func:`vpo_lightning.packing.packed_attention_mask` with no shared prompt: each
+block-diagonal causal mask (:func:`vpo_lightning.core.packing.packed_attention_mask` with no shared prompt: each
 example attends only to itself) and position ids that restart at 0 for every example, so a packed row computes
 the same log-probs as the examples one by one, without padding.
 
-Batches come from :class:`vpo_lightning.datamodule.PromptStream` (a seeded order and a position saved in every
+Batches come from :class:`vpo_lightning.training.datamodule.PromptStream` (a seeded order and a position saved in every
 checkpoint), so ``--ckpt_path last`` resumes at the next unseen batch.
 """
 
@@ -25,15 +25,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from vpo_lightning.datamodule import PromptStream, StreamDataModule
-from vpo_lightning.packing import packed_attention_mask
+from vpo_lightning.core.packing import packed_attention_mask
+from vpo_lightning.training.datamodule import PromptStream, StreamDataModule
 
 log = logging.getLogger(__name__)
 
 
 def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], completion: str) -> dict[str, list[int]]:
     """``{"prompt_ids", "completion_ids"}``: the rollout's prompt tokens and the completion's tokens + EOS."""
-    from vpo_lightning.models import prompt_token_ids
+    from vpo_lightning.generation.models import prompt_token_ids
 
     prompt = prompt_token_ids(tokenizer, messages)
     comp = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -92,8 +92,9 @@ class SFTDataModule(StreamDataModule):
         train_files: training JSONL files. With a ``builder``, task records (data/<task>/train.jsonl; val/test
             files are refused); with ``builder: none``, ready demonstrations ``{"messages": [...], "completion":
             str}`` (the messages end with the user turn; the completion is the assistant's reply).
-        builder: tooluse, maze (random walks) or maze_shortest (random shortest routes): demonstrations built
-            from the records (vpo_lightning/sft/demos.py); or none.
+        builder: tooluse, maze (random walks), maze_shortest (random shortest routes) or maze_direct (shortest,
+            then one-detour routes in chains): demonstrations built from the records (vpo_lightning/sft/demos.py);
+            or none.
         formats: answers per demonstration: 1 = single answer, m > 1 = an m-answer chain; [1, 3] gives both,
             so that GRPO (single answers) and VPO (3-answer chains) can start from the same adapter.
         val_fraction: fraction of the training records held out (all their demonstrations) for the validation
@@ -114,7 +115,7 @@ class SFTDataModule(StreamDataModule):
     def __init__(
         self,
         train_files: list[str],
-        builder: Literal["tooluse", "maze", "maze_shortest", "none"] = "none",
+        builder: Literal["tooluse", "maze", "maze_shortest", "maze_direct", "none"] = "none",
         formats: list[int] | None = None,
         val_fraction: float = 0.05,
         max_val_examples: int = 64,
@@ -181,7 +182,7 @@ class SFTDataModule(StreamDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_stream is not None:
             return
-        from vpo_lightning.models import load_tokenizer
+        from vpo_lightning.generation.models import load_tokenizer
 
         if not self.tokenizer:
             raise ValueError("data.tokenizer is not set (the CLI links it to model.model.name)")

@@ -1,7 +1,7 @@
 """Demonstrations for the supervised cold start, built from a task's training records only.
 
 A demonstration is ``{"id", "source_id", "m", "messages", "completion"}``: ``messages`` is the prompt exactly as a
-rollout builds it (the record's messages; for a chain, the m-answer instruction of :mod:`vpo_lightning.chains`
+rollout builds it (the record's messages; for a chain, the m-answer instruction of :mod:`vpo_lightning.core.chains`
 appended to the last user message) and ``completion`` the assistant text the model learns to write. Each training
 record gives one demonstration per entry of ``formats`` (``1`` = single answer, ``m > 1`` = an m-answer chain), so
 that every estimator (GRPO's single answers, VPO's chains) can start from the same SFT adapter.
@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.chains import build_instruction
-from vpo_lightning.datamodule import read_jsonl
+from vpo_lightning.core.chains import build_instruction
 from vpo_lightning.tasks.maze import MOVES, Maze
 from vpo_lightning.tasks.tooluse import format_answer
 from vpo_lightning.tasks.tooluse.reward import gold_calls
+from vpo_lightning.training.datamodule import read_jsonl
 
 HELD_OUT_SPLITS = ("val", "test")
 FAMILIES = {"tooluse": "response", "maze": "route"}
@@ -322,8 +322,10 @@ def distances_to_exit(maze: Maze) -> dict[tuple[int, int], int]:
     return dist
 
 
-def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None) -> list[str]:
-    """A random route from the start that reaches the exit within the budget.
+def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None,
+                slack: int | None = None) -> list[str]:
+    """A random route from the start that reaches the exit within the budget (and, with ``slack``, within
+    ``slack`` moves of the shortest route: a near-shortest route with at most slack/2 detours).
 
     Each move is drawn uniformly among the moves into an open cell from which the exit is still reachable within
     the budget left (so the walk never fails), not turning straight back unless it has to. The walk wanders
@@ -336,20 +338,37 @@ def random_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], i
 
     ``dist`` is :func:`distances_to_exit` of the maze when the caller has it already.
     """
+    def choices(pos: tuple[int, int], moves: list[str], steps: list[tuple[str, tuple[int, int]]]
+                ) -> list[tuple[str, tuple[int, int]]]:
+        options = [(name, nxt) for name, nxt in steps if len(moves) + 1 + dist[nxt] <= limit]
+        back = {"U": "D", "D": "U", "L": "R", "R": "L"}.get(moves[-1]) if moves else None
+        return [o for o in options if o[0] != back] or options
+
     dist = distances_to_exit(maze) if dist is None else dist
+    limit = maze.budget if slack is None or maze.start not in dist else min(maze.budget, dist[maze.start] + slack)
+    return _route(maze, rng, dist, choices)
+
+
+def near_shortest_walk(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int] | None = None
+                       ) -> list[str]:
+    """:func:`random_walk` at most 2 moves longer than the shortest route (one detour)."""
+    return random_walk(maze, rng, dist, slack=2)
+
+
+def _route(maze: Maze, rng: random.Random, dist: Mapping[tuple[int, int], int],
+           choices: Callable[[tuple[int, int], list[str], list[tuple[str, tuple[int, int]]]],
+                             list[tuple[str, tuple[int, int]]]]) -> list[str]:
+    """Moves from the start to the exit, each drawn uniformly from ``choices(position, moves so far, steps)``,
+    where ``steps`` are the (move, cell) pairs into open cells that can reach the exit; ``[]`` when the exit is
+    out of reach or beyond the budget."""
     if maze.start not in dist or dist[maze.start] > maze.budget:
         return []
     n = len(maze.grid)
     pos, moves = maze.start, []
     while pos != maze.exit:
-        options = []
-        for name, (dr, dc) in MOVES.items():
-            nxt = (pos[0] + dr, pos[1] + dc)
-            if 0 <= nxt[0] < n and 0 <= nxt[1] < n and nxt in dist and len(moves) + 1 + dist[nxt] <= maze.budget:
-                options.append((name, nxt))
-        back = {"U": "D", "D": "U", "L": "R", "R": "L"}.get(moves[-1]) if moves else None
-        forward = [o for o in options if o[0] != back]
-        name, pos = rng.choice(forward or options)
+        steps = [(name, (pos[0] + dr, pos[1] + dc)) for name, (dr, dc) in MOVES.items()
+                 if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < n and (pos[0] + dr, pos[1] + dc) in dist]
+        name, pos = rng.choice(choices(pos, moves, steps))
         moves.append(name)
     return moves
 
@@ -365,17 +384,7 @@ def random_shortest_route(maze: Maze, rng: random.Random, dist: Mapping[tuple[in
     follows from where S and E are (a small model trained on wandering walks ignored them; docs/results_maze.md).
     """
     dist = distances_to_exit(maze) if dist is None else dist
-    if maze.start not in dist or dist[maze.start] > maze.budget:
-        return []
-    n = len(maze.grid)
-    pos, moves = maze.start, []
-    while pos != maze.exit:
-        closer = [(name, (pos[0] + dr, pos[1] + dc)) for name, (dr, dc) in MOVES.items()
-                  if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < n
-                  and dist.get((pos[0] + dr, pos[1] + dc)) == dist[pos] - 1]
-        name, pos = rng.choice(closer)
-        moves.append(name)
-    return moves
+    return _route(maze, rng, dist, lambda pos, moves, steps: [o for o in steps if dist[o[1]] == dist[pos] - 1])
 
 
 def _maze_routes(maze: Maze, m: int, rng: random.Random, dist: Mapping[tuple[int, int], int],
@@ -429,8 +438,18 @@ def _demo(record: Mapping[str, Any], m: int, family: str, completion: str) -> di
             "messages": chain_messages(record["messages"], m, family), "completion": completion}
 
 
+def maze_direct_demos(record: Mapping[str, Any], formats: Sequence[int], seed: int) -> list[dict[str, Any]]:
+    """Demonstrations for one maze record (``data.builder: maze_direct``): as :func:`maze_shortest_demos` (the
+    same single answers), but a chain is completed with near-shortest routes (:func:`near_shortest_walk`: one
+    detour) before any longer walk, so that no chain position is taught to wander: with ``maze_shortest`` the
+    third route of most 5x5 chains was a 10-12-move walk, and the model's third routes reached the exit half as
+    often as its first (docs/results_maze.md)."""
+    return _maze_demos(record, formats, seed, (random_shortest_route, near_shortest_walk, random_walk))
+
+
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Sequence[int], int], list[dict[str, Any]]]] = {
     "tooluse": tooluse_demos, "maze": maze_demos, "maze_shortest": maze_shortest_demos,
+    "maze_direct": maze_direct_demos,
 }
 
 

@@ -1,7 +1,7 @@
 """``SFTModule``: supervised fine-tuning of the policy on demonstrations (the cold start before RL).
 
-The same model loading as ``vpo fit`` (:func:`vpo_lightning.models.load_base_model`: alias, GGUF, directory, hub;
-dtype; LoRA/QLoRA; a starting ``model.adapter``), the same chunked log-prob core (:func:`per_token_logprobs`), the
+The same model loading as ``vpo fit`` (:func:`vpo_lightning.generation.models.load_base_model`: alias, GGUF, directory,
+hub; dtype; LoRA/QLoRA; a starting ``model.adapter``), the same chunked log-prob core (:func:`per_token_logprobs`), the
 same checkpoints (``AdapterCheckpoint``: atomic, PEFT adapter exported beside each). The loss is the mean negative
 log-likelihood of the completion tokens of a batch (prompt tokens carry none), over packed rows
 (:func:`vpo_lightning.sft.data.pack_examples`); each row is backpropagated on its own, weighted by its share of the
@@ -16,21 +16,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 
-from vpo_lightning.losses import per_token_logprobs
-from vpo_lightning.models import (
-    ModelSettings,
-    count_parameters,
-    enable_activation_checkpointing,
-    load_base_model,
-    load_tokenizer,
-    wrap_lora,
-)
-from vpo_lightning.module import _peak_rss_gb
+from vpo_lightning.core.losses import per_token_logprobs
+from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.sft.data import pack_examples
+from vpo_lightning.training.policy import PolicyModule, lr_factor, peak_rss_gb
+
+__all__ = ["SFTModule", "SFTOptimSettings", "lr_factor", "row_nll"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +63,7 @@ def row_nll(model: nn.Module, row: dict[str, Tensor], chunk_size: int = 1024) ->
     return -logp.sum(), int(row["targets"].numel())
 
 
-class SFTModule(L.LightningModule):
+class SFTModule(PolicyModule):
     """The policy (LoRA by default) trained on demonstrations with a completion-only NLL loss.
 
     Args:
@@ -77,40 +71,20 @@ class SFTModule(L.LightningModule):
         optim: optimiser and numerical-guard settings.
     """
 
+    needs_reference = False  # no KL term: full fine-tuning loads no second copy
+
     def __init__(
         self,
         model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings object
         optim: SFTOptimSettings = SFTOptimSettings(),  # noqa: B008
     ) -> None:
-        super().__init__()
-        self.model_settings, self.optim_settings = model, optim
+        super().__init__(model, optim)
         self.save_hyperparameters()
-        self.automatic_optimization = False
-        self.strict_loading = False  # checkpoints hold only trainable weights (the adapter)
-        self.policy: nn.Module | None = None
-        self.tokenizer: Any = None
-        self._bad_steps = 0
         self._val_sum, self._val_count = 0.0, 0
 
     @property
-    def uses_lora(self) -> bool:
-        return self.model_settings.lora.enabled
-
-    def configure_model(self) -> None:
-        if self.policy is not None:
-            return
-        s = self.model_settings
-        self.tokenizer = load_tokenizer(s.name)
-        device = self.device if self.device.type == "cuda" else None
-        base = load_base_model(s, device)
-        if s.lora.enabled:
-            self.policy = wrap_lora(base, s.lora, s.gradient_checkpointing)
-        else:
-            if s.gradient_checkpointing:
-                enable_activation_checkpointing(base)
-            self.policy = base
-        trainable, total = count_parameters(self.policy)
-        log.info("SFT policy %s: %s trainable of %s parameters", s.name, f"{trainable:,}", f"{total:,}")
+    def min_lr_ratio(self) -> float:  # type: ignore[override]
+        return self.optim_settings.min_lr_ratio
 
     def rows(self, examples: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
         """Packed rows of a batch, on the module's device, with the mask type the attention wants."""
@@ -139,25 +113,19 @@ class SFTModule(L.LightningModule):
         t0 = time.perf_counter()
         opt, sched = self.optimizers(), self.lr_schedulers()
         loss, tokens = self.batch_loss(batch["records"], backward=True)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_settings.max_grad_norm or float("inf")))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(),
+                                                    self.optim_settings.max_grad_norm or float("inf")))
         ok = math.isfinite(loss) and math.isfinite(norm)
         if ok:
             opt.step()
             sched.step()
-            self._bad_steps = 0
-        else:
-            self._bad_steps += 1
-            log.warning("non-finite SFT step %d (loss %s, grad norm %s): skipped", self.global_step, loss, norm)
-            if self._bad_steps >= self.optim_settings.max_bad_steps:
-                raise FloatingPointError(f"{self._bad_steps} non-finite SFT steps in a row: lower model.optim.lr "
-                                         "or set model.model.dtype=fp32")
+        self._guard(ok, loss)
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         self.log_dict({
             "train/loss": loss, "train/completion_tokens": float(tokens), "train/grad_norm": norm,
             "train/tokens_per_s": tokens / max(elapsed, 1e-9), "train/step_time_s": elapsed,
-            "train/skipped_steps": float(not ok), "train/peak_rss_gb": _peak_rss_gb(),
+            "train/skipped_steps": float(not ok), "train/peak_rss_gb": peak_rss_gb(),
             "train/lr": sched.get_last_lr()[0],
         }, on_step=True, batch_size=1)
         self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
@@ -180,15 +148,7 @@ class SFTModule(L.LightningModule):
         if self._val_count:
             self.log("val/loss", self._val_sum / self._val_count, prog_bar=True, batch_size=1)
 
-    # ---- optimiser and checkpoints --------------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        o = self.optim_settings
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-        total = max(1, int(self.trainer.max_steps or 1)) if self._trainer is not None else 1
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o.warmup_steps, total, o.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
+    # ---- optimiser --------------------------------------------------------------------------------------------
     def on_train_start(self) -> None:
         """Set the learning rate from the schedule at the current step: a run resumed with another
         ``trainer.max_steps`` follows the new schedule instead of the learning rate saved with the optimizer."""
@@ -196,20 +156,3 @@ class SFTModule(L.LightningModule):
         factor = lr_factor(sched.last_epoch, o.warmup_steps, max(1, int(self.trainer.max_steps or 1)), o.min_lr_ratio)
         for group, base in zip(self.optimizers().optimizer.param_groups, sched.base_lrs):
             group["lr"] = base * factor
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only trainable weights (the adapter, or all policy weights for full fine-tuning)."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["vpo_bad_steps"] = self._bad_steps
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._bad_steps = checkpoint.get("vpo_bad_steps", 0)
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps to 1, then linear decay to ``min_ratio`` at step ``total``."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    span = max(1, total - warmup)
-    return max(min_ratio, 1.0 - (1.0 - min_ratio) * (step - warmup) / span)

@@ -12,7 +12,7 @@ Reward dimensions. D is the problem's real number of tests t (at most 16), as th
 returns t values, one per test. A batch that mixes problems is one ``[.., 16]`` tensor whose dimensions past t are
 padding: the reward is registered with ``real_dims`` (:func:`num_tests`), so the registry scores padding 0 and marks
 it False in the dimension mask, and the estimators draw Dirichlet weights over the t real tests only and average f
-over them (:mod:`vpo_lightning.advantages`). Repeating tests to fill 16 dimensions instead (the earlier rule) gave,
+over them (:mod:`vpo_lightning.core.advantages`). Repeating tests to fill 16 dimensions instead (the earlier rule) gave,
 with 3 tests, one test 6/16 of the weight and the others 5/16.
 
 Candidate programs. The candidate text is the first ```python (or untagged) fenced block if there is one, else

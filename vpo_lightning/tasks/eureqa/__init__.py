@@ -26,7 +26,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vpo_lightning.chains import tagged_block
+from vpo_lightning.core.chains import tagged_block
 
 TASK = "eureqa"
 LETTERS = ("A", "B", "C", "D", "E")

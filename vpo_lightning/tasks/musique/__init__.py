@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vpo_lightning.chains import tagged_block
+from vpo_lightning.core.chains import tagged_block
 
 TASK = "musique"
 MAX_HOPS = 4

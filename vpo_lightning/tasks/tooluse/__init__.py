@@ -2,7 +2,7 @@
 
 The model answers with a ``<think>...</think>`` block followed by a ``<tool_call>`` block holding one JSON object per
 line, ``{"name": ..., "parameters": {...}}``, and/or a ``<response>...</response>`` text reply (used when no tool
-fits). The rewards in :mod:`vpo_lightning.tasks.tooluse.reward` parse exactly this format.
+fits). The rewards (:mod:`vpo_lightning.tasks.tooluse.calls`) parse exactly this format.
 
 Tool documents come from BFCL, whose parameter schemas use Python-flavoured type names (``dict``, ``float``,
 ``tuple``, ``any``); :func:`to_json_schema` turns them into JSON-schema types for the prompt. Records keep the

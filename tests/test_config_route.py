@@ -1,0 +1,141 @@
+"""One route from a config to objects: ``vpo eval``/``search``/``plan`` parse a `vpo fit` config with the parser
+``vpo fit`` uses (vpo_lightning/training/config.py), so a default lives in one signature, and the engine is told
+apart by its parsed class, not by its name."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from jsonargparse import Namespace
+
+from vpo_lightning.commands import evaluate, runs
+from vpo_lightning.commands import plan as vplan
+from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, VLLMEngine
+from vpo_lightning.training import config_check
+from vpo_lightning.training.cli import VPOCLI
+from vpo_lightning.training.config import get, resolve
+from vpo_lightning.training.datamodule import PromptDataModule
+from vpo_lightning.training.module import VPOModule
+from vpo_lightning.training.rollout import RolloutCallback
+
+# A config that leaves every rollout knob but the rewards to the defaults.
+BARE = """\
+run_name: bare
+model:
+  model: {name: tiny-llama}
+data:
+  train_files: [train.jsonl]
+rollout:
+  rewards: [maze]
+"""
+
+
+def _fit(path: Path) -> VPOCLI:
+    """What `vpo fit` builds from ``path`` (parsed and instantiated, nothing run)."""
+    return VPOCLI(VPOModule, PromptDataModule, args=["--config", str(path), "--trainer.accelerator=cpu",
+                                                     "--trainer.devices=1"], run=False,
+                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False})
+
+
+def _resolved_by_fit_and_eval(tmp_path: Path, monkeypatch) -> tuple[RolloutCallback, evaluate.Sampler, VPOCLI]:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "bare.yaml"
+    path.write_text(BARE)
+    cli = _fit(path)
+    fit = next(c for c in cli.trainer.callbacks if isinstance(c, RolloutCallback))
+    return fit, evaluate.Sampler.from_config(runs.load_config(path, require=("rollout",))), cli
+
+
+def _knobs(protocol) -> tuple:
+    return protocol.estimator, protocol.m, protocol.num_weights, protocol.alpha, protocol.tag_family
+
+
+def test_eval_and_fit_resolve_the_same_defaults(tmp_path, monkeypatch):
+    fit, sampler, cli = _resolved_by_fit_and_eval(tmp_path, monkeypatch)
+    assert _knobs(fit.protocol) == _knobs(sampler.protocol) == ("vpo", 3, 100, 1.0, "response")
+    assert (fit.m, fit.num_weights, fit.alpha, fit.tag_family) == (3, 100, 1.0, "response")  # read from protocol
+    assert fit.sampling == SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256)
+    assert (fit.eval_temperature, fit.eval_top_p) == (0.7, 1.0)
+    assert sampler.sampling == SamplingSettings(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=256)
+    settings = runs.run_settings(runs.load_config(tmp_path / "bare.yaml"))
+    assert (settings.group_size, settings.batch_size) == (fit.group_size, cli.datamodule.batch_size) == (8, 2)
+    assert settings.optim == cli.model.optim_settings and settings.model == cli.model.model_settings
+
+
+def _with_defaults(fn, **new) -> tuple:
+    """``fn.__defaults__`` with the named parameters' defaults replaced."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.default is not inspect.Parameter.empty]
+    return tuple(new.get(p.name, p.default) for p in params)
+
+
+def test_a_default_lives_in_one_signature(tmp_path, monkeypatch):
+    """Change RolloutCallback's defaults and both routes follow: nothing re-types 3, 100, 1.0, "response", 0.7."""
+    monkeypatch.setattr(RolloutCallback.__init__, "__defaults__", _with_defaults(
+        RolloutCallback.__init__, num_candidates=4, num_weights=7, alpha=0.5, tag_family="route",
+        eval_temperature=0.9, eval_top_p=0.8))
+    fit, sampler, _ = _resolved_by_fit_and_eval(tmp_path, monkeypatch)
+    assert _knobs(fit.protocol) == _knobs(sampler.protocol) == ("vpo", 4, 7, 0.5, "route")
+    assert (sampler.sampling.temperature, sampler.sampling.top_p) == (0.9, 0.8)
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """A module of engine subclasses whose names mislead: a TransformersEngine named like vLLM, a VLLMEngine not."""
+    mod = types.ModuleType("vpo_test_engines")
+
+    class VLLMStyleTransformersEngine(TransformersEngine):
+        pass
+
+    class GpuEngine(VLLMEngine):
+        pass
+
+    for cls in (VLLMStyleTransformersEngine, GpuEngine):
+        cls.__module__ = mod.__name__
+        setattr(mod, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return mod
+
+
+def _engine_cfg(name: str, **init_args) -> dict:
+    return {"rollout": {"engine": {"class_path": f"vpo_test_engines.{name}", "init_args": init_args}}}
+
+
+def test_the_engine_is_told_by_its_parsed_class(engines):
+    hf = runs.run_settings(_engine_cfg("VLLMStyleTransformersEngine", max_batch_size=4))
+    assert hf.engine == "VLLMStyleTransformersEngine" and hf.engine_class is engines.VLLMStyleTransformersEngine
+    assert hf.engine_args["max_batch_size"] == 4 and "gpu_memory_utilization" not in hf.engine_args
+    assert not vplan.plan_from_config(_engine_cfg("VLLMStyleTransformersEngine"), for_gpu=True).vllm
+
+    gpu = runs.run_settings(_engine_cfg("GpuEngine", max_model_len=2048))
+    assert gpu.engine_class is engines.GpuEngine and gpu.engine_args["gpu_memory_utilization"] == 0.3
+    plan = vplan.plan_from_config(_engine_cfg("GpuEngine"), for_gpu=True)
+    assert plan.vllm and plan.vllm_utilization == 0.3
+
+    if not config_check._has_cuda():  # the pre-flight check of `vpo fit` tells them apart the same way
+        assert any("VLLMEngine needs" in p for p in config_check.preflight(_engine_cfg("GpuEngine")))
+        assert config_check.preflight(_engine_cfg("VLLMStyleTransformersEngine")) == []
+
+
+def test_bad_values_are_refused_as_vpo_fit_refuses_them(tmp_path, caplog):
+    with pytest.raises(ValueError, match=r"c\.yaml: .*rollout\.num_candidates"):
+        resolve({"rollout": {"rewards": ["maze"], "num_candidates": "three"}}, "c.yaml")
+    with pytest.raises(ValueError, match="rollout.estimator"):
+        evaluate.Sampler.from_config({"rollout": {"rewards": ["maze"]}}, estimator="vpoo")
+    with pytest.raises(ValueError, match="c.yaml: rollout.rewards is required"):
+        resolve({"rollout": {}}, "c.yaml").rollout()
+    run = resolve({"rollout": {"rewards": ["maze"], "num_candidate": 4}}, "c.yaml")  # misspelt: ignored, named
+    assert run.value("rollout.num_candidates") == 3
+    assert "c.yaml: rollout.num_candidate is not a `vpo fit` key (did you mean rollout.num_candidates" in caplog.text
+
+
+def test_one_dotted_key_reader():
+    nested = {"a": {"b": {"c": 1, "none": None}}}
+    assert get(nested, "a.b.c") == 1 and get(nested, "a.b.none", 5) == 5 and get(nested, "a.x.c", 2) == 2
+    assert get(Namespace(a=Namespace(b=Namespace(c=1))), "a.b.c") == 1
+    assert get(Namespace(a=Namespace(b=1)), "a.z", "d") == "d"
+    assert get(types.SimpleNamespace(a=types.SimpleNamespace(b=3)), "a.b") == 3
+    assert get({"a": "text"}, "a.b", 0) == 0

@@ -1,0 +1,274 @@
+"""The layer rule, enforced: the package tree is the architecture of docs/ARCHITECTURE.md.
+
+Layers, lowest first: core < tasks < generation < training < commands < entry. A module may import modules of its
+own layer and of the layers below, never above (every import statement counts, the ones inside functions too).
+The core and the tasks import neither Lightning nor transformers, peft or vLLM; generation does not import
+Lightning. Every module is listed in docs/ARCHITECTURE.md under the heading of its layer, and every module path the
+docs name exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vpo_lightning
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "vpo_lightning"
+LAYERS = ("core", "tasks", "generation", "training", "commands", "entry")
+# vpo_lightning.<first part> -> layer. The reward registry is core (ChainProtocol composes its reward vector); the
+# tasks register their rewards in it and run code in the sandbox.
+PACKAGE_LAYERS = {
+    "core": "core", "rewards": "core",
+    "tasks": "tasks", "sandbox": "tasks",
+    "generation": "generation",
+    "training": "training", "sft": "training",
+    "commands": "commands", "serve": "commands",
+    "__main__": "entry", "launcher": "entry", "cli": "entry", "api": "entry",
+}
+# upward imports by design, each with its reason
+ALLOWED_UPWARD = {
+    ("vpo_lightning.rewards", "vpo_lightning.tasks"):
+        "the registry lists the built-in task folder and loads each task's reward module by name (plugins)",
+}
+HEAVY = {"core": ("lightning", "transformers", "peft", "vllm"), "tasks": ("lightning", "transformers", "peft", "vllm"),
+         "generation": ("lightning",)}
+
+
+def module_files() -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = module_files()
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return "entry" if len(parts) == 1 else PACKAGE_LAYERS[parts[1]]
+
+
+def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
+    """``(line, imported module)`` of every import statement in ``path``: ``from a.b import c`` imports ``a.b.c``
+    where that is a module, else ``a.b``."""
+    out = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.append((node.lineno, full if full in MODULES else base))
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    unplaced = [m for m in MODULES if len(m.split(".")) > 1 and m.split(".")[1] not in PACKAGE_LAYERS]
+    assert not unplaced, f"modules in no layer (add the package to PACKAGE_LAYERS and docs/ARCHITECTURE.md): {unplaced}"
+
+
+def test_imports_go_down_the_layers():
+    problems = []
+    for module, path in MODULES.items():
+        if len(module.split(".")) > 1 and module.split(".")[1] not in PACKAGE_LAYERS:
+            continue  # reported by test_every_module_is_in_a_layer
+        rank = LAYERS.index(layer_of(module))
+        where = f"{path.relative_to(REPO)}"
+        for line, name in imports_of(module, path):
+            top = name.split(".")[0]
+            if top in HEAVY.get(layer_of(module), ()):
+                problems.append(f"{where}:{line} ({layer_of(module)}) imports {name}")
+            if top != "vpo_lightning" or name == "vpo_lightning":
+                continue
+            second = name.split(".")[1]
+            if second in vpo_lightning.MOVED:
+                problems.append(f"{where}:{line} imports the old path {name}: use vpo_lightning."
+                                f"{vpo_lightning.MOVED[second]}")
+                continue
+            target = layer_of(name)
+            owner = ".".join(module.split(".")[:2])
+            if LAYERS.index(target) > rank and (owner, ".".join(name.split(".")[:2])) not in ALLOWED_UPWARD:
+                problems.append(f"{where}:{line} ({layer_of(module)}) imports {name} ({target})")
+    assert not problems, "imports against the layer order " + " < ".join(LAYERS) + ":\n" + "\n".join(problems)
+
+
+def test_core_runs_without_lightning_transformers_peft_or_vllm():
+    """Import every core module (and the reward registry with a task's rewards) with those packages blocked, then
+    score a chain and compute VPO advantages."""
+    core = sorted(m for m in MODULES if m.startswith("vpo_lightning.core."))
+    code = f"""
+import importlib, sys
+BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning", "transformers", "peft", "vllm")
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {{name}}")
+
+sys.meta_path.insert(0, Block())
+for name in {core!r}:
+    importlib.import_module(name)
+import torch
+from vpo_lightning.core.advantages import vpo_advantages
+from vpo_lightning.core.protocol import ChainProtocol
+from vpo_lightning.tasks.maze import generate_maze, make_record
+
+protocol = ChainProtocol(["maze"], num_candidates=2, tag_family="route")
+record = make_record(generate_maze(0), "test", 0)
+chain = protocol.candidates("<route_1>R R</route_1><route_2>D</route_2>")
+scores = protocol.score([chain, chain[::-1]], [record, record])
+adv = vpo_advantages(scores.rewards.view(1, 2, 2, -1), scores.mask.view(1, 2, 2))
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
+print("ok", tuple(scores.rewards.shape), tuple(adv.shape), loaded)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok (2, 2, 4) (1, 2) []", proc.stdout
+
+
+# ---- docs/ARCHITECTURE.md ----------------------------------------------------------------------------------------
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
+ENTRY_PATH = re.compile(r"`(vpo_lightning/[^`\s]*)`")
+
+
+def architecture_sections() -> dict[str, list[str]]:
+    """``{layer: [paths named in its section]}``: a section is a ``## <layer>: ...`` heading up to the next ``## ``."""
+    sections: dict[str, list[str]] = {}
+    layer = None
+    for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            head = line[3:].split(":")[0].strip()
+            layer = head if head in LAYERS else None
+            if layer:
+                sections[layer] = []
+        elif layer and line.startswith("| `vpo_lightning/"):
+            sections[layer] += ENTRY_PATH.findall(line.split("|")[1])
+    return sections
+
+
+def _covers(entry: str, path: str) -> bool:
+    """A file map entry names a file, a folder (``vpo_lightning/sandbox/``) or a pattern (``tasks/<name>/build.py``)."""
+    if entry.endswith("/"):
+        return path.startswith(entry)
+    return re.fullmatch(re.sub(r"<[a-z_]+>", "[^/]+", re.escape(entry).replace(r"\<", "<").replace(r"\>", ">")),
+                        path) is not None
+
+
+def test_architecture_lists_every_module_under_its_layer():
+    sections = architecture_sections()
+    assert set(sections) == set(LAYERS), f"docs/ARCHITECTURE.md: one '## <layer>: ...' section per layer {LAYERS}"
+    problems = []
+    for module, path in MODULES.items():
+        rel, layer = str(path.relative_to(REPO)), layer_of(module)
+        if not any(_covers(e, rel) for e in sections[layer]):
+            others = [name for name, entries in sections.items() if any(_covers(e, rel) for e in entries)]
+            problems.append(f"{rel} ({layer}): " + (f"listed under {others}" if others else "not listed"))
+    for layer, entries in sections.items():
+        for entry in entries:
+            covered = [str(p.relative_to(REPO)) for p in MODULES.values() if _covers(entry, str(p.relative_to(REPO)))]
+            if not covered and not (REPO / entry).exists():
+                problems.append(f"{entry} (under {layer}) does not exist")
+            problems += [f"{entry} (under {layer}) covers {c}, which is {layer_of(m)}" for m, c in
+                         ((m, str(p.relative_to(REPO))) for m, p in MODULES.items()) if c in covered
+                         and layer_of(m) != layer]
+    assert not problems, "docs/ARCHITECTURE.md file map:\n" + "\n".join(problems)
+
+
+# ---- module paths named by the docs ------------------------------------------------------------------------------
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+DOTTED = re.compile(r"(?<![\w./-])vpo_lightning(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+SLASHED = re.compile(r"(?<![\w./-])vpo_lightning/[A-Za-z0-9_./]*[A-Za-z0-9_/]")
+WRITTEN_BY_READER = {"ADDING_A_TASK.md": "tasks.addition"}  # the tutorial's task: the reader writes its files
+
+
+def top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def dotted_problem(ref: str) -> str | None:
+    """None when ``ref`` is a module of the package, or a name defined at the top of one (``module.Class``; a
+    method after it is not checked); else what is wrong."""
+    parts = ref.split(".")
+    if len(parts) > 1 and parts[1] in vpo_lightning.MOVED:
+        return f"old path: vpo_lightning.{vpo_lightning.MOVED[parts[1]]}"
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        if module in MODULES:
+            rest = parts[cut:]
+            if rest and rest[0] not in top_level_names(MODULES[module]):
+                return f"{module} defines no {rest[0]}"
+            return None
+    return "no such module"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_module_paths_in_docs_exist(doc):
+    text = doc.read_text(encoding="utf-8")
+    problems = []
+    own = WRITTEN_BY_READER.get(doc.name)
+    for ref in sorted(set(DOTTED.findall(text))):
+        if own and f".{own}." in f"{ref}.":
+            continue
+        if (problem := dotted_problem(ref)) is not None:
+            problems.append(f"{ref}: {problem}")
+    for ref in sorted(set(SLASHED.findall(text))):
+        if own and f"/{own.replace('.', '/')}/" in f"/{ref}/":
+            continue
+        if "<" not in ref and not (REPO / ref).exists():
+            problems.append(f"{ref}: no such file or folder")
+    assert not problems, f"{doc.relative_to(REPO)} names module paths that do not exist:\n" + "\n".join(problems)
+
+
+# ---- the old module paths --------------------------------------------------------------------------------------
+def test_old_module_paths_are_the_moved_modules():
+    """VPO-SPEC section 3's ``vpo_lightning.advantages``, class paths in older run configs and pickled checkpoints
+    name the modules that used to sit at the top of the package: each old path is the moved module itself."""
+    import importlib
+    import io
+    import pickle
+
+    for old, new in vpo_lightning.MOVED.items():
+        assert importlib.import_module(f"vpo_lightning.{old}") is importlib.import_module(f"vpo_lightning.{new}"), old
+    from vpo_lightning.core import advantages
+    from vpo_lightning.generation.models import ModelSettings
+
+    spec_api = ("sample_weights", "set_rewards", "vpo_advantages", "group_normalize")  # VPO-SPEC section 3
+    namespace: dict = {}
+    exec(f"from vpo_lightning.advantages import {', '.join(spec_api)}", namespace)
+    assert all(namespace[name] is getattr(advantages, name) for name in spec_api)
+
+    unpickler = pickle.Unpickler(io.BytesIO(b""))
+    assert unpickler.find_class("vpo_lightning.models", "ModelSettings") is ModelSettings
+    assert importlib.import_module("vpo_lightning.core.advantages").__spec__.name == "vpo_lightning.core.advantages"
+
+
+def test_python_m_vpo_lightning_cli_is_the_vpo_command():
+    proc = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: vpo COMMAND") and "\n  replicates " in proc.stdout

@@ -1,0 +1,129 @@
+"""Checkpoints that are never half-written, each with the adapter exported in the standard PEFT format.
+
+A checkpoint is written to a temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a kill at any
+moment leaves either the previous complete file or the new complete file. The adapter directory beside it is written the
+same way (temporary directory, then rename) by :func:`vpo_lightning.generation.adapters.write_adapter_folder`: it loads
+with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the starting
+adapter is stacked in), and it carries the tokenizer and a model card.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from weakref import proxy
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def pause_point(point: str, step: int | Callable[[], int]) -> None:
+    """Test hook for the kill-and-resume tests; a no-op unless ``VPO_TEST_PAUSE_AT`` is ``"<point>@<step>"``.
+
+    Then the process writes that string to ``$VPO_TEST_PAUSE_FILE`` and sleeps (``$VPO_TEST_PAUSE_S`` seconds, default
+    600) so that a test can SIGKILL it at a known point: ``generate``, ``optimizer_step`` (after ``opt.step()``,
+    before the scheduler step) and ``checkpoint:<file name>`` (temp file written, not yet renamed into place).
+    """
+    spec = os.environ.get("VPO_TEST_PAUSE_AT")
+    if not spec or spec != f"{point}@{step() if callable(step) else step}":
+        return
+    Path(os.environ.get("VPO_TEST_PAUSE_FILE", "vpo_paused")).write_text(spec + "\n")
+    time.sleep(float(os.environ.get("VPO_TEST_PAUSE_S", "600")))
+
+
+class AdapterCheckpoint(ModelCheckpoint):
+    """Lightning checkpoints (last, and every N steps) written atomically, plus the PEFT adapter beside each.
+
+    Args:
+        dirpath: ignored by `vpo fit` and `vpo sft`, which always write to checkpoints/<run_name>/ (and never store
+            this in config.yaml); accepted so that the config.yaml of older runs still loads.
+        every_n_train_steps: save ``step=N.ckpt`` every this many optimizer steps.
+        save_last: keep ``last.ckpt`` up to date (needed for ``--ckpt_path last``).
+        save_top_k: how many ``step=N.ckpt`` files to keep (-1 = all).
+        export_adapter: also export the adapter in PEFT format to ``adapters/<checkpoint name>/``.
+        push_to_hub: at the end of training, upload ``adapters/last`` to the Hugging Face hub (needs network and a
+            token: ``huggingface-cli login`` or ``HF_TOKEN``).
+        hub_model_id: the hub repo for ``push_to_hub``, ``<user or org>/<name>``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int = 50,
+        save_last: bool = True,
+        save_top_k: int = -1,
+        export_adapter: bool = True,
+        push_to_hub: bool = False,
+        hub_model_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False,
+            every_n_train_steps=every_n_train_steps, save_last=save_last, save_top_k=save_top_k,
+            enable_version_counter=False,
+        )
+        self.export = export_adapter
+        if push_to_hub and (not hub_model_id or hub_model_id.count("/") != 1):
+            raise ValueError(f"checkpoint.push_to_hub=true needs checkpoint.hub_model_id=<user or org>/<name>, "
+                             f"got {hub_model_id!r}")
+        if push_to_hub and not (export_adapter and save_last):
+            raise ValueError("checkpoint.push_to_hub=true uploads adapters/last: it needs checkpoint.export_adapter "
+                             "and checkpoint.save_last")
+        self.push_to_hub, self.hub_model_id = push_to_hub, hub_model_id
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Clean up after a run killed while writing: stray temp files, and an adapter caught mid-swap."""
+        super().setup(trainer, pl_module, stage)
+        if not trainer.is_global_zero or not self.dirpath or not Path(self.dirpath).is_dir():
+            return
+        root = Path(self.dirpath)
+        for stray in [*root.glob("*.ckpt.tmp"), *root.glob("adapters/*.tmp")]:
+            log.warning("removing %s, left by an interrupted checkpoint write", stray)
+            if stray.is_dir():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:
+                stray.unlink(missing_ok=True)
+        for old in root.glob("adapters/*.old"):  # killed between the two renames of export_adapter
+            current = old.with_name(old.name[: -len(".old")])
+            if current.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, current)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        tmp = f"{filepath}.tmp"
+        trainer.save_checkpoint(tmp, self.save_weights_only)
+        pause_point(f"checkpoint:{Path(filepath).name}", trainer.global_step)
+        if trainer.is_global_zero:
+            os.replace(tmp, filepath)
+            module = trainer.lightning_module
+            if self.export and getattr(module, "uses_lora", False):
+                from vpo_lightning.generation.adapters import run_facts, write_adapter_folder
+
+                run_dir = Path(filepath).parent
+                write_adapter_folder(module.policy, run_dir / "adapters" / Path(filepath).stem, module.model_settings,
+                                     run_facts(trainer, module, run_dir.name))
+        trainer.strategy.barrier("adapter_checkpoint")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        adapter = Path(self.dirpath or "") / "adapters" / "last"
+        if self.push_to_hub and trainer.is_global_zero and adapter.is_dir():
+            from vpo_lightning.generation.adapters import push_folder
+
+            push_folder(adapter, str(self.hub_model_id))
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            shutil.rmtree(Path(filepath).parent / "adapters" / Path(filepath).stem, ignore_errors=True)

@@ -1,0 +1,204 @@
+"""``vpo fit`` and ``vpo validate``: LightningCLI over VPOModule + PromptDataModule, the rollout its own section.
+
+    vpo fit --config configs/tooluse.yaml                   # train
+    vpo fit --config configs/tooluse.yaml --rollout.group_size 4 --model.optim.lr 1e-4   # dotted overrides
+    vpo fit --config configs/tooluse.yaml --ckpt_path last  # resume checkpoints/<run_name>/last.ckpt
+    vpo fit --config configs/tooluse.yaml --overwrite       # replace an earlier run of the same name
+    vpo fit --help                                          # every argument, with its documentation
+    vpo sft --config configs/tooluse_sft.yaml               # supervised cold start (vpo_lightning/sft/)
+
+Outputs go to ``checkpoints/<run_name>/``: ``config.yaml``, TensorBoard logs, ``last.ckpt``/``step=N.ckpt`` and the
+PEFT adapter exported beside each checkpoint (``adapters/last``, ``adapters/step=N``). A run prints one line naming
+its ``config.yaml`` (``--print_config`` prints the configuration and exits); warnings that need action are printed
+again after the run. The ``vpo`` console script is :mod:`vpo_lightning.launcher`, which lists the commands without
+importing this module and runs :func:`fit` / :func:`validate` here.
+A non-empty run folder is refused unless resuming or ``--overwrite``; ``vpo validate`` logs to
+``<run>/validate/version_N`` (rules in run_folders.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from argparse import ArgumentError
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ActionYesNo
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from vpo_lightning.training import config_check, run_folders
+from vpo_lightning.training.checkpointing import AdapterCheckpoint
+from vpo_lightning.training.config import get
+from vpo_lightning.training.datamodule import PromptDataModule
+from vpo_lightning.training.module import VPOModule
+from vpo_lightning.training.rollout import RolloutCallback
+from vpo_lightning.training.runtime import report_error
+
+OUTPUT_ROOT = "checkpoints"
+_SUBCOMMANDS_WITH_RUN = ("fit", "validate")
+log = logging.getLogger("vpo_lightning.training.cli")
+
+
+# Trainer defaults of `vpo fit` and `vpo sft`: TensorBoard under checkpoints/<run_name>/, the step progress bar.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "trainer.max_steps": 100,
+    "trainer.log_every_n_steps": 1,
+    "trainer.num_sanity_val_steps": 0,
+    "trainer.enable_model_summary": False,
+    "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
+    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"},
+                          {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+    "trainer.check_val_every_n_epoch": None,
+    "trainer.val_check_interval": 50,
+}
+
+
+class VPOCLI(LightningCLI):
+    """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
+
+    run_folder: run_folders.RunFolder | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_callback", run_folders.RunConfigSaver)
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def add_run_arguments(parser: LightningArgumentParser, default_name: str) -> None:
+        """``--run_name`` and ``--overwrite`` (shared with `vpo sft`)."""
+        parser.add_argument("--run_name", type=str, default=default_name, help="outputs go to checkpoints/<run_name>/")
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+                            help="replace a non-empty checkpoints/<run_name>/ (else refused unless resuming)")
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` only: LightningCLI's ``test``/``predict`` have no meaning here (``vpo eval``)."""
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.add_run_arguments(parser, "vpo")
+        parser.add_lightning_class_args(RolloutCallback, "rollout")
+        parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
+        parser.link_arguments("model.model.name", "data.tokenizer")
+        parser.set_defaults(TRAINER_DEFAULTS)
+
+    PROGS = {"fit": "vpo fit", "validate": "vpo validate"}  # what each subcommand's --help calls itself
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
+        for name, sub in getattr(self, "_subcommand_parsers", {}).items():
+            sub.prog = self.PROGS.get(name, sub.prog)
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        saved = [p.exit_on_error for p in parsers]
+        for p in parsers:
+            p.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            if os.environ.get("VPO_DEBUG") or isinstance(args, dict):
+                raise
+            argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+            subcommands = sorted(getattr(self, "_subcommand_parsers", {}))
+            sub = getattr(self, "_subcommand_parsers", {}).get(argv[0]) if argv else None
+            print(config_check.explain_parse_error(str(err), sub, argv, "vpo", subcommands), file=sys.stderr)
+            raise SystemExit(2) from None
+        finally:
+            for p, value in zip(parsers, saved):
+                p.exit_on_error = value
+
+    def before_instantiate_classes(self) -> None:
+        """Check options that need a GPU or an optional package; route every output under checkpoints/<run_name>/."""
+        cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if self.subcommand in _SUBCOMMANDS_WITH_RUN:
+            problems = config_check.preflight(cfg)
+            if problems:
+                raise ValueError("\n  ".join(problems))
+        run_dir = Path(OUTPUT_ROOT) / cfg["run_name"]
+        training = self.subcommand == "fit"
+        log_dir = run_dir if training else run_dir / str(self.subcommand)  # validate/test: <run>/validate/version_N
+        cfg["trainer"]["default_root_dir"] = str(log_dir)
+        for lg in run_folders.tensorboard_loggers(cfg):
+            lg["init_args"]["save_dir"], lg["init_args"]["name"] = str(log_dir.parent), log_dir.name
+            lg["init_args"]["version"] = "" if training else None
+        if cfg["checkpoint"].get("dirpath") not in (None, str(run_dir)):
+            log.info("checkpoint.dirpath=%s is ignored: outputs go to %s (from run_name)",
+                     cfg["checkpoint"]["dirpath"], run_dir)
+        cfg["checkpoint"]["dirpath"] = str(run_dir)
+        if self.subcommand in _SUBCOMMANDS_WITH_RUN and cfg.get("ckpt_path") == "last":
+            cfg["ckpt_path"] = _last_checkpoint(str(run_dir))
+        if training:
+            if "val_files" in (cfg.get("data") or {}) and not get(cfg, "data.val_files"):
+                log.info("data.val_files is empty: no validation in this run")
+            self.run_folder = run_folders.claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite")))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with the run folder's guard; validation off when there are no validation files."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.run_folder is not None:
+            trainer.callbacks.append(self.run_folder)
+        if self.subcommand == "fit" and getattr(self.datamodule, "val_files", True) == []:
+            trainer.limit_val_batches = 0
+        return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if self.run_folder is not None:
+                self.run_folder.abandon()
+            raise
+        if self.run_folder is not None:
+            self.run_folder.commit()
+
+    def before_fit(self) -> None:
+        """Name the file the effective configuration is saved to (``--print_config`` prints it instead)."""
+        if self.trainer.is_global_zero:
+            name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
+            path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
+            print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
+
+
+def _last_checkpoint(run_dir: str) -> str:
+    path = Path(run_dir) / "last.ckpt"
+    if not path.is_file():
+        raise SystemExit(f"--ckpt_path last: no {path} yet (nothing to resume); drop --ckpt_path to start fresh")
+    return str(path)
+
+
+def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
+    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are).
+    ``cli_class``: a VPOCLI subclass; :func:`vpo_lightning.training.config.fit_parser` builds the parser here and
+    stops before parsing, so the other commands parse configs with exactly this parser."""
+    return cli_class(
+        VPOModule,
+        PromptDataModule,
+        args=args,
+        parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
+        save_config_kwargs={"overwrite": True},
+        subclass_mode_model=False,
+        subclass_mode_data=False,
+        auto_configure_optimizers=False,  # the module's optimizer settings are model.optim.*; no --optimizer
+    )
+
+
+def main(argv: list[str]) -> None:
+    """``vpo fit|validate ...`` as a command: bad input gets a one-line error and exit code 2."""
+    try:
+        run_lightning(list(argv))
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError,
+            MisconfigurationException) as err:
+        raise SystemExit(report_error("vpo", err)) from None
+
+
+def fit(argv: list[str]) -> None:
+    """``vpo fit ...``: train."""
+    main(["fit", *argv])
+
+
+def validate(argv: list[str]) -> None:
+    """``vpo validate ...``: score the validation prompts without training."""
+    main(["validate", *argv])

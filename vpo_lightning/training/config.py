@@ -1,0 +1,179 @@
+"""One route from a `vpo fit` configuration to objects, for every command.
+
+``vpo fit`` parses its YAML with :class:`~vpo_lightning.training.cli.VPOCLI`'s jsonargparse parser and instantiates
+the classes it names. ``vpo eval``, ``search``, ``serve``, ``plan`` and ``export`` read the same files through
+:func:`resolve`: the same parser (VPOCLI's ``fit`` parser, built without parsing a command line or running
+anything) parses the config, so every default comes from the classes' typed signatures and every value is
+type-checked as ``vpo fit`` checks it; :class:`RunConfig` then instantiates only the sections a command needs
+(the rollout callback with its chain protocol, reward vector and engine; the module's settings). Nothing here
+re-types a default or tells classes apart by their names.
+
+:func:`get` is the one dotted-key reader (``get(cfg, "rollout.sampling.max_new_tokens")``) over plain dicts,
+jsonargparse namespaces and objects.
+
+Lightning is imported only when a config is resolved (``vpo --help`` and the commands' ``--help`` stay light).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg["a"]["b"]`` for ``"a.b"``, through dicts, jsonargparse namespaces and attributes; ``default`` where a
+    key is missing or null."""
+    node = cfg
+    for key in dotted.split("."):
+        if isinstance(node, Mapping):
+            node = node.get(key)
+        elif hasattr(node, "__contains__") and hasattr(node, "__getitem__") and not isinstance(node, (str, bytes)):
+            node = node[key] if _contains(node, key) else None  # jsonargparse Namespace
+        else:
+            node = getattr(node, key, None)
+        if node is None:
+            return default
+    return node
+
+
+def _contains(node: Any, key: str) -> bool:
+    try:
+        return key in node
+    except TypeError:
+        return False
+
+
+def import_class(class_path: str) -> type:
+    """The class a ``class_path`` names (``package.module.Class``), as jsonargparse resolves it."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"class_path {class_path!r}: no such class") from None
+
+
+class _ParserReady(Exception):
+    """Raised by :class:`_ParserOnly` where VPOCLI would start parsing: carries the built parsers."""
+
+
+def fit_parser() -> Any:
+    """The parser of ``vpo fit`` (VPOCLI's ``fit`` subcommand parser), built as ``vpo fit`` builds it: the same
+    class, arguments, defaults, links and trainer defaults; nothing is parsed, instantiated or run."""
+    from vpo_lightning.training import cli
+
+    class _ParserOnly(cli.VPOCLI):
+        def parse_arguments(self, parser: Any, args: Any) -> None:  # LightningCLI calls this after building
+            raise _ParserReady(self._subcommand_parsers["fit"])
+
+    try:
+        cli.run_lightning([], cli_class=_ParserOnly)
+    except _ParserReady as ready:
+        parser = ready.args[0]
+        parser.exit_on_error = False  # errors are raised to the command, which reports them
+        return parser
+    raise RuntimeError("VPOCLI built no parser")  # unreachable: LightningCLI parses right after building
+
+
+def _drop_unknown(cfg: Mapping[str, Any], parser: Any, source: str) -> dict[str, Any]:
+    """``cfg`` without the keys ``vpo fit`` does not know (each named with the closest known keys in a warning):
+    the commands beside ``vpo fit`` read what they know of a config, as they always have."""
+    from vpo_lightning.training import config_check
+
+    leaves, sections = config_check.known_keys(parser)
+    unknown = config_check.config_file_keys(cfg, leaves, sections)
+    out = _plain(cfg)
+    for key in unknown:
+        hint = config_check.suggest(key, leaves | sections)
+        log.warning("%s: %s is not a `vpo fit` key%s; ignored", source, key,
+                    f" (did you mean {' or '.join(hint)}?)" if hint else "")
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class RunConfig:
+    """A `vpo fit` configuration parsed by the ``vpo fit`` parser: ``parsed`` holds every key with its default."""
+
+    parsed: Any  # jsonargparse Namespace of the `fit` subcommand
+    parser: Any  # the parser that parsed it (fit_parser())
+    source: str  # what the config came from, for messages
+
+    def value(self, dotted: str, default: Any = None) -> Any:
+        """A parsed value (its default from the signature when the config omits it)."""
+        return get(self.parsed, dotted, default)
+
+    def instantiate(self, section: str) -> Any:
+        """The object of one top-level section (``rollout``, ``model``, ``data``, ``checkpoint``), instantiated
+        as ``vpo fit`` does: the same class (the fit parser's), the parsed values, nested classes included."""
+        from jsonargparse import Namespace
+        from lightning.pytorch.cli import LightningArgumentParser
+
+        group = self.parser.groups.get(section)
+        cls = getattr(group, "group_class", None)
+        if cls is None:
+            raise ValueError(f"{section!r} is not a class section of `vpo fit` (rollout, model, data, checkpoint)")
+        one = LightningArgumentParser(exit_on_error=False)  # just this section, so others need not be complete
+        one.add_lightning_class_args(cls, section)
+        return one.instantiate(Namespace({section: self.parsed[section].clone()}))[section]
+
+    def rollout(self) -> Any:
+        """The :class:`~vpo_lightning.training.rollout.RolloutCallback`: chain protocol, reward vector, sampling,
+        engine."""
+        if self.value("rollout.rewards") is None:
+            raise ValueError(f"{self.source}: rollout.rewards is required (the reward names, e.g. [maze])")
+        return self.instantiate("rollout")
+
+    def engine_class(self) -> type:
+        """The rollout engine's class, as the config names it (``rollout.engine.class_path``)."""
+        return import_class(str(self.value("rollout.engine.class_path")))
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine's ``init_args``, every default of its signature filled in by the parser."""
+        args = self.value("rollout.engine.init_args")
+        return args.as_dict() if hasattr(args, "as_dict") else dict(args or {})
+
+
+def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mapping[str, Any] | None = None,
+            *, require_all: bool = False) -> RunConfig:
+    """Parse a `vpo fit` config (a loaded, interpolated mapping) with the ``vpo fit`` parser.
+
+    Args:
+        cfg: the config's mapping (``vpo_lightning.commands.runs.load_config``).
+        source: the file it came from, named in messages.
+        overrides: ``{dotted key: value}`` set after loading (e.g. ``{"rollout.estimator": "grpo"}``).
+        require_all: also require what ``vpo fit`` requires (``data.train_files``, ``rollout.rewards``); by
+            default a command checks what it uses when it instantiates it.
+
+    Raises:
+        ValueError: a value ``vpo fit`` would refuse, naming the key.
+    """
+    from jsonargparse import ArgumentError
+
+    parser = fit_parser()
+    data = _drop_unknown(cfg, parser, source)
+    for key, value in (overrides or {}).items():
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    try:
+        parsed = parser.parse_object(data, _skip_required=not require_all)
+    except ArgumentError as err:
+        raise ValueError(f"{source}: {str(err).strip()}") from None
+    return RunConfig(parsed, parser, source)

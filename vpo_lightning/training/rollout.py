@@ -1,0 +1,350 @@
+"""The rollout callback: generate G chains per prompt, score them into a [B, G, m, D] reward tensor, compute advantages.
+
+Why a callback and not an IterableDataset of rollouts (Lightning's PPO example): generation needs the *current*
+policy, which the callback reaches through ``pl_module`` after every optimizer step, and the data position stays a
+plain integer that checkpoints can save. ``on_train_batch_start`` attaches a ``Rollout`` to the batch; Lightning
+passes that same dict to ``training_step``.
+
+Randomness is keyed, not carried: the sampling seed of a step is derived from (seed, step, rank), VPO's Dirichlet
+weights of a prompt group from (seed, step, prompt index) and the weighted baselines' from (seed, record id), so a
+resumed run and a run on more ranks draw the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from jsonargparse import lazy_instance
+from torch import Tensor
+
+from vpo_lightning.core import metrics
+from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
+from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.protocol import (
+    ChainProtocol,
+    Estimator,
+    build_rollout_tensors,
+    derive_seed,
+    engine_logprob_tensor,
+)
+from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
+from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
+from vpo_lightning.generation.models import prompt_token_ids
+from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.records import template_tools
+
+__all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
+
+log = logging.getLogger(__name__)
+
+
+def _protocol_field(name: str) -> property:
+    """A read-only attribute of the callback that is its chain protocol's ``name``."""
+    return property(lambda self: getattr(self.protocol, name), doc=f"``self.protocol.{name}``")
+
+
+class RolloutCallback(L.Callback):
+    """Samples chains with an engine, scores them with the reward vector and computes advantages.
+
+    Args:
+        rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
+        estimator: advantage estimator: vpo, or a baseline (grpo, multi_rlvr, random_weight_grpo,
+            goal_conditioned_grpo, max_at_k, gdpo). Chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        num_candidates: m, answers per chain for chain methods (single-answer methods use 1).
+        group_size: G, chains sampled per prompt.
+        num_weights: K, Dirichlet weight vectors per prompt group for the VPO set reward.
+        alpha: Dirichlet concentration (1.0 = uniform on the simplex).
+        tag_family: how candidates are delimited: response (<response_i>), route (<route_i>), fence (code blocks).
+        sampling: temperature, top-p, top-k and the token budget of a chain.
+        engine: the rollout engine (TransformersEngine by default; VLLMEngine on a GPU).
+        seed: seed from which per-step sampling seeds and per-group weight seeds are derived.
+        log_samples_every: write a table of sample completions to TensorBoard every this many steps (0 = never).
+        reward_workers: threads for rewards that run subprocesses (code); default: the CPU count.
+        save_completions: append every sampled chain (step, prompt id, text, reward vectors, advantage) to
+            ``<run dir>/completions/rank<r>.jsonl`` for later analysis.
+        max_generated_tokens: stop training after the optimizer step at which the run (all ranks) has generated
+            this many tokens; ``trainer.max_steps`` stays a cap. For baselines matched on compute, not on steps
+            (a VPO chain and a GRPO answer differ in length). None = no token budget. Tokens of dynamic sampling's
+            extra rounds count.
+        dynamic_sampling: DAPO filter groups: draw more prompts when groups have zero reward spread and train only
+            on groups with signal, at most ``max_extra_rounds`` extra generation rounds per step (one process only).
+        max_at_k_k: k of the max_at_k estimator, 1 <= k < group_size; null = the reference's max(2, G // 2).
+            Ignored by the other estimators.
+        eval_temperature: the temperature ``vpo eval`` and ``vpo search`` sample at (training and in-loop validation
+            use ``sampling``); the reference's held-out evaluation uses 0.7 in every domain.
+        eval_top_p: the top-p of ``vpo eval`` / ``vpo search``; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use,
+            EUREQA).
+    """
+
+    def __init__(
+        self,
+        rewards: list[str],
+        estimator: Estimator = "vpo",
+        num_candidates: int = 3,
+        group_size: int = 8,
+        num_weights: int = 100,
+        alpha: float = 1.0,
+        tag_family: Literal["response", "route", "fence"] = "response",
+        sampling: SamplingSettings = SamplingSettings(),  # noqa: B008 - settings object, never mutated
+        engine: Engine = lazy_instance(TransformersEngine),
+        seed: int = 0,
+        log_samples_every: int = 10,
+        reward_workers: int | None = None,
+        save_completions: bool = False,
+        max_generated_tokens: int | None = None,
+        dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings(),  # noqa: B008 - never mutated
+        max_at_k_k: int | None = None,
+        eval_temperature: float = 0.7,
+        eval_top_p: float = 1.0,
+    ) -> None:
+        SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
+        self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
+        _validate(estimator, num_candidates, group_size, num_weights, alpha, max_at_k_k)
+        self.max_at_k_k = max_at_k_k
+        if max_generated_tokens is not None and max_generated_tokens < 1:
+            raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
+        self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
+                                      reward_workers)  # fails fast on a bad reward name
+        self.group_size, self.sampling, self.engine = group_size, sampling, engine
+        self.log_samples_every, self.save_completions = log_samples_every, save_completions
+        self.max_generated_tokens = max_generated_tokens
+        if dynamic_sampling.max_extra_rounds < 0:
+            raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
+                             f"{dynamic_sampling.max_extra_rounds}")
+        self.dynamic_sampling = dynamic_sampling
+        self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
+        self._engine_ready = False
+
+    # the chain protocol's settings, read from it (one copy): m is num_candidates for chain methods, else 1
+    estimator = _protocol_field("estimator")
+    m = _protocol_field("m")
+    num_weights = _protocol_field("num_weights")
+    alpha = _protocol_field("alpha")
+    tag_family = _protocol_field("tag_family")
+    seed = _protocol_field("seed")
+    reward_names = _protocol_field("reward_names")
+    reward_vector = _protocol_field("reward_vector")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generated_tokens": self.generated_tokens}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.generated_tokens = int(state_dict.get("generated_tokens", 0))
+
+    # ---- Lightning hooks ---------------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pl_module.reward_dim_names = self.reward_vector.dim_names
+        if self.dynamic_sampling.enabled and trainer.world_size > 1:
+            raise ValueError("rollout.dynamic_sampling.enabled is not supported with several processes yet (ranks "
+                             "would keep different numbers of groups); run on one device or turn it off")
+
+    def _ensure_engine(self, pl_module: L.LightningModule) -> None:
+        if not self._engine_ready:  # after configure_model, so the engine sees the loaded policy
+            self.engine.setup(pl_module)
+            self._engine_ready = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
+        self._ensure_engine(pl_module)
+        stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
+        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
+                                        pool=getattr(stream, "records", None))
+        tokens = batch["rollout"].metrics["rollout/tokens"]
+        if trainer.world_size > 1:  # every rank must agree on when the budget runs out
+            tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
+        self.generated_tokens += int(tokens)
+        if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
+            trainer.datamodule.mark_consumed(batch["position"])
+        if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
+            self._log_samples(trainer, batch)
+        if self.save_completions:
+            self._save_completions(trainer, batch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
+        self.engine.sync(pl_module)
+        if self.max_generated_tokens is not None and self.generated_tokens >= self.max_generated_tokens:
+            if not trainer.should_stop:
+                log.info("token budget reached: %d generated tokens >= rollout.max_generated_tokens=%d; stopping "
+                         "after step %d", self.generated_tokens, self.max_generated_tokens, trainer.global_step)
+            trainer.should_stop = True
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._ensure_engine(pl_module)
+        batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.engine.teardown()
+
+    # ---- the rollout itself -------------------------------------------------------------------------------------
+    def _scalar_view(self, rewards: Tensor) -> Tensor:
+        """For the scalar baselines (grpo, max_at_k) of a task whose f is a weighted mean (rewards registered with
+        ``f_weights``, e.g. MuSiQue): ``[B, G, m, D] -> [B, G, m, 1]`` holding f, whose mean over the one dimension
+        the estimator takes is f itself. Other estimators and plain-mean tasks get ``rewards`` unchanged."""
+        w = torch.tensor(self.reward_vector.f_weights, dtype=rewards.dtype)  # [D]
+        if self.estimator not in ("grpo", "max_at_k") or not bool((w != w[0]).any()):
+            return rewards
+        return (rewards @ (w / w.sum())).clamp(0.0, 1.0).unsqueeze(-1)  # [B, G, m, 1]
+
+    def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0,
+                pool: list[dict] | None = None) -> Rollout:
+        """Sample, score and compute advantages for ``batch``; with dynamic sampling on a training step (step >= 0),
+        refill flat groups with prompts from ``pool`` (the training records; see
+        :mod:`~vpo_lightning.core.dynamic_sampling`) and replace ``batch["records"]``/``["indices"]`` with the groups
+        kept."""
+        records: list[dict] = batch["records"]
+        indices = batch.get("indices", list(range(len(records))))
+        rnd = self._round(pl_module, records, indices, step, rank)
+        dyn: dict[str, float] = {}
+        if self.dynamic_sampling.enabled and step >= 0 and pool:
+            def draw(idx: list[int], r: int) -> Round:
+                return self._round(pl_module, [pool[i] for i in idx], idx, step, rank, r)
+
+            rnd, dyn = fill_batch(rnd, draw, len(pool), len(records), self.dynamic_sampling.max_extra_rounds,
+                                  derive_seed(self.seed, "refill", step, rank))
+            if dyn["dynamic/extra_rounds"] or len(rnd.records) != len(records):
+                # recomputed: gdpo whitens over the whole batch
+                rnd.advantages = self._advantages(rnd.records, rnd.rewards, rnd.mask, rnd.weights, rnd.completion_ids)
+            batch["records"], batch["indices"] = rnd.records, rnd.indices
+        B, G = len(rnd.records), self.group_size
+        gen = Generation(rnd.completion_ids, rnd.texts, rnd.num_tokens, rnd.engine_logprobs)
+        ids, attn, comp, P = build_rollout_tensors(rnd.prompts, gen, G, pl_module.tokenizer.pad_token_id)
+        engine_lp = engine_logprob_tensor(gen, comp)  # [N, L] or None
+        rewards, mask = rnd.rewards.reshape(B * G, self.m, -1), rnd.mask.reshape(B * G, self.m)  # [N, m, D], [N, m]
+        scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
+        dim_mask = self.protocol.dim_mask(rnd.records) if self.protocol.reward_vector.variable_dims else None
+        stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,
+                              float(rnd.extra.get("gen_time", 0.0)), dim_mask)
+        if self.m > 1:  # answers dropped as repeats of an earlier answer of their chain, per chain
+            stats["chains/repeated_candidates"] = float(rnd.extra.get("repeats", 0)) / max(1, B * G)
+        if dyn:  # every round's tokens count toward the budget (rollout/tokens); the kept ones are trained on
+            stats.update(dyn)
+            stats["rollout/tokens"] = dyn["dynamic/total_tokens"]
+            stats["rollout/tokens_per_s"] = dyn["dynamic/total_tokens"] / max(stats["rollout/time_s"], 1e-9)
+        return Rollout(ids, attn, comp, P, rnd.advantages.reshape(-1), rewards, mask, rnd.texts,
+                       self.sampling.temperature, self.sampling.max_new_tokens, engine_lp, stats)
+
+    def _round(self, pl_module: Any, records: list[dict], indices: list[int], step: int, rank: int,
+               round_: int = 0) -> Round:
+        """Generate G chains for each of ``records`` and score them (one generation round of a step)."""
+        B, G, tok = len(records), self.group_size, pl_module.tokenizer
+        weights = self.protocol.step_weights(indices, step, records)  # [B, K, D] or None
+        prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]),
+                                    template_tools(r)) for b, r in enumerate(records)]
+        torch.manual_seed(derive_seed(self.seed, "sample", step, rank, *([round_] if round_ else [])))
+        pause_point("generate", step)  # a no-op outside the kill-and-resume tests
+        t0 = time.perf_counter()
+        seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
+        gen = self.engine.generate(pl_module, prompts, G, self.sampling, seeds)
+        gen_time = time.perf_counter() - t0
+        split = [self.protocol.training_candidates(t) for t in gen.texts]
+        cands = [c for c, _ in split]  # [N][m], repeated answers of a chain dropped (they count once)
+        samples = [r for r in records for _ in range(G)]
+        scores = self.protocol.score(cands, samples)
+        rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
+        mask = scores.mask.view(B, G, self.m)  # [B, G, m]
+        adv = self._advantages(records, rewards, mask, weights, gen.completion_ids)  # [B, G]
+        return Round(list(records), list(indices), prompts, gen.completion_ids, gen.texts, rewards, mask, adv,
+                     weights, gen.num_tokens, gen.engine_logprobs,
+                     {"gen_time": gen_time, "errors": scores.num_errors, "repeats": sum(n for _, n in split)})
+
+    def _advantages(self, records: list[dict], rewards: Tensor, mask: Tensor, weights: Tensor | None,
+                    completion_ids: list[list[int]]) -> Tensor:
+        """The estimator on ``rewards [B, G, m, D]``: with each record's real dimensions (per-row D), max@k's k,
+        and GDPO's per-rollout token counts (it whitens token-weighted). ``[B, G]``."""
+        extra: dict[str, Any] = {}
+        if self.protocol.reward_vector.variable_dims:
+            extra["dim_mask"] = self.protocol.dim_mask(records)  # [B, D]
+        if self.estimator == "max_at_k":
+            extra["k"] = self.max_at_k_k
+        if self.estimator == "gdpo":
+            extra["token_counts"] = torch.tensor([len(c) for c in completion_ids],
+                                                 dtype=torch.float32).view(mask.shape[:2])  # [B, G]
+        return ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
+                                          num_weights=self.num_weights, alpha=self.alpha, **extra)
+
+    def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
+                 gen: Generation, gen_time: float, dim_mask: Tensor | None = None) -> dict[str, float]:
+        B, G, m, D = rewards.shape
+        present = mask.float()  # [B, G, m]
+        group_dims = None if dim_mask is None else dim_mask[:, None, :].expand(B, G, D)  # [B, G, D]
+        out = metrics.reward_means(rewards, mask, self.reward_vector.dim_names, group_dims)  # all and parsed only
+        real = torch.ones(B, 1, 1, D) if dim_mask is None else dim_mask[:, None, None, :].float()  # [B, 1, 1, D]
+        f = (rewards * real).sum(-1) / real.sum(-1)  # [B, G, m] mean over the real dimensions
+        out["reward/best_in_chain"] = float(f.max(-1).values.mean())
+        if weights is not None and self.estimator == "vpo":
+            out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())
+        out["adv/mean"], out["adv/std"] = float(adv.mean()), float(adv.std(correction=0))
+        out["adv/abs_max"] = float(adv.abs().max())
+        out["frac_zero_std_groups"] = float((adv.abs().amax(dim=1) == 0).float().mean())
+        out["chains/parse_rate"] = float(mask.any(-1).float().mean())
+        out["chains/valid_candidates"] = float(present.sum(-1).mean())
+        pool = rewards.reshape(B, G * m, D)  # [B, G*m, D]
+        out["diversity/within_group"] = metrics.pairwise_l1_diversity(pool, mask.reshape(B, G * m))
+        if m > 1:
+            out["diversity/within_chain"] = metrics.within_chain_diversity(rewards.reshape(B * G, m, D)[None],
+                                                                           mask.reshape(1, B * G, m))
+        out["rollout/tokens"] = float(gen.num_tokens)
+        out["rollout/tokens_per_s"] = gen.num_tokens / max(gen_time, 1e-9)
+        out["rollout/time_s"] = gen_time
+        out["rollout/mean_length"] = gen.num_tokens / max(1, B * G)
+        out["reward/errors"] = float(scores.num_errors)
+        return out
+
+    def _save_completions(self, trainer: L.Trainer, batch: dict) -> None:
+        ro: Rollout = batch["rollout"]
+        out = Path(trainer.default_root_dir) / "completions" / f"rank{trainer.global_rank}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a", encoding="utf-8") as fh:
+            for i, text in enumerate(ro.texts):
+                b = i // self.group_size
+                row = {"step": trainer.global_step, "position": batch["position"], "index": batch["indices"][b],
+                       "id": batch["records"][b].get("id"), "text": text, "advantage": float(ro.advantages[i]),
+                       "rewards": [r if ok else None for r, ok in zip(ro.rewards[i].tolist(),
+                                                                       ro.candidate_mask[i].tolist())]}
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def _log_samples(self, trainer: L.Trainer, batch: dict) -> None:
+        ro: Rollout = batch["rollout"]
+        writer = getattr(trainer.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_text"):
+            return
+        names = self.reward_vector.dim_names
+        lines = ["| chain | id | completion | rewards (" + ", ".join(names) + ") |", "|---|---|---|---|"]
+        for i, text in enumerate(ro.texts[: 2 * self.group_size]):
+            rid = batch["records"][i // self.group_size].get("id", "")
+            vecs = "; ".join(
+                "[" + ", ".join(f"{v:.2f}" for v in ro.rewards[i, j].tolist()) + "]" if ro.candidate_mask[i, j] else "-"
+                for j in range(ro.rewards.shape[1])
+            )
+            snippet = text[:600].replace("|", "\\|").replace("\n", "<br>")
+            lines.append(f"| {i} | {rid} | {snippet} | {vecs} |")
+        writer.add_text("samples", "\n".join(lines), global_step=trainer.global_step)
+
+
+def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None = None) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
+    if m < 1:
+        raise ValueError(f"rollout.num_candidates (m) must be >= 1, got {m}")
+    if group_size < 2:
+        raise ValueError(
+            f"rollout.group_size (G) must be >= 2: every estimator normalises within a group of chains, "
+            f"got {group_size}"
+        )
+    if num_weights < 1:
+        raise ValueError(f"rollout.num_weights (K) must be >= 1, got {num_weights}")
+    if not alpha > 0:
+        raise ValueError(f"rollout.alpha (Dirichlet concentration) must be > 0, got {alpha}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"rollout.max_at_k_k must be null or a positive int, got {k!r}")
+    if estimator == "max_at_k" and (k or max_at_k_default(group_size)) >= group_size:
+        shown = f"rollout.max_at_k_k={k}" if k else f"the default k = max(2, G // 2) = {max_at_k_default(group_size)}"
+        raise ValueError(f"max_at_k needs k < rollout.group_size, got {shown} with group_size={group_size}: at "
+                         "k >= G every rollout's contribution is the group maximum and all advantages are 0. Raise "
+                         "rollout.group_size (>= 3 for the default k) or set rollout.max_at_k_k below it")

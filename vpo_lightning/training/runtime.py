@@ -1,0 +1,90 @@
+"""How a ``vpo`` process starts and stops: library noise quieted, the log format, malloc tuning, one-line errors.
+
+:func:`prepare_process` and :func:`tune_malloc` run once at the start of every ``vpo`` command
+(:func:`vpo_lightning.launcher.main`); :func:`report_error` is how each command answers bad input.
+
+Malloc tuning.
+glibc's malloc returns every large block (>= 32 MiB-ish, dynamic threshold) to the kernel with ``munmap`` and trims
+the heap top eagerly. A training step allocates and frees logits-sized buffers (hundreds of MB) many times, so with
+the defaults the kernel re-faults the same pages on every micro-batch. Keeping freed memory in the heap removes that
+cost (measured in ``benchmarks/vs_trl.py``). The same effect is available to any program through the environment
+variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... MALLOC_TOP_PAD_=...``; ``mallopt`` sets them in-process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+import warnings
+
+log = logging.getLogger(__name__)
+_QUIET = (  # Lightning warnings that do not apply to this app's design
+    ".*ModelCheckpoint with manual optimization.*",  # checkpoints after the step are what we want
+    ".*module\\(s\\) in eval mode.*",  # dropout-free frozen base modules
+    ".*IterableDataset. has .__len__. defined.*",  # one process, position-aware stream
+    ".*litlogger.*",
+    ".*is_gradient_checkpointing.*",
+    ".*Checkpoint directory .* exists and is not empty.*",  # config.yaml is written there first; run_folders.py
+    ".*LeafSpec.* is deprecated.*",  # inside Lightning's pytree helper, nothing the user can change
+    ".*resuming from a checkpoint that ended before the epoch ended.*",  # the datamodule resumes at its position
+    ".*args parameter is intended to run from within Python.*",  # main() passes sys.argv on as args, on purpose
+)
+
+# mallopt parameter numbers from glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_MAX = -4
+
+
+def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int = 256 << 20) -> bool:
+    """Keep freed memory in the glibc heap instead of returning it to the kernel after every large free.
+
+    Returns True when the settings were applied. A no-op (False) outside Linux/glibc, when the user already set any
+    ``MALLOC_*_`` variable (their choice wins), or when ``VPO_MALLOC_TUNING=0``.
+    """
+    if os.environ.get("VPO_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if any(key in os.environ for key in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    top_pad = min(top_pad, 2**31 - 1)
+    trim_threshold = min(trim_threshold, 2**31 - 1)
+    applied = all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_MMAP_MAX, mmap_max), (_M_TRIM_THRESHOLD, trim_threshold), (_M_TOP_PAD, top_pad))
+    )
+    if applied:
+        log.debug("malloc tuned: mmap_max=%d trim_threshold=%d top_pad=%d", mmap_max, trim_threshold, top_pad)
+    return applied
+
+
+def prepare_process() -> None:
+    """What every ``vpo`` command sets up first: quiet library noise that needs no action, and the log format."""
+    from vpo_lightning.training import progress
+
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    progress.quiet_lightning_logs()
+    progress.quiet_libraries()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def report_error(command: str, err: BaseException) -> int:
+    """Print ``<command>: error: ...`` for bad input and return exit code 2; with ``VPO_DEBUG`` set, re-raise."""
+    if os.environ.get("VPO_DEBUG"):
+        raise err
+    print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+    return 2

@@ -96,9 +96,10 @@ if has_part eval; then
   done
 fi
 
-if has_part spread; then
-  "$PY" benchmarks/group_spread.py "$OUT/base-single" "$OUT/base-chains" "$OUT/sft-single" "$OUT/sft-chains" \
-    --group "$GROUP" | tee "$OUT/spread.md"
+if has_part spread; then  # the evaluations of WHO x FORMATS (WHO=sft: the base model's are not needed)
+  dirs=()
+  for who in $WHO; do for fmt in $FORMATS; do dirs+=("$OUT/$who-$fmt"); done; done
+  "$PY" benchmarks/group_spread.py "${dirs[@]}" --group "$GROUP" | tee "$OUT/spread.md"
 fi
 
 if has_part rl; then

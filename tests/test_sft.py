@@ -266,9 +266,22 @@ def test_maze_demonstrations_are_valid_random_walks():
     assert 0.0 < gold / n < 0.5 and 0.0 < diamond / n < 0.5  # zones by chance, neither side favoured
 
 
-def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
+def _maze_demo_routes(demo: dict) -> list[str | None]:
+    """The routes of one maze demonstration: its ``<route>`` content (m = 1) or its chain's routes."""
+    if demo["m"] == 1:
+        return [demo["completion"][len("<route>"):-len("</route>")]]
+    return parse_chain(demo["completion"], demo["m"], "route")
+
+
+def _shortest_moves(record: dict) -> int:
     from vpo_lightning.sft.demos import distances_to_exit
-    from vpo_lightning.tasks.maze import Maze, maze_reward
+    from vpo_lightning.tasks.maze import Maze
+
+    return distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
+
+
+def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
+    from vpo_lightning.tasks.maze import maze_reward
 
     train = REPO / "data" / "maze" / "5x5" / "train.jsonl"
     by_id = {r["id"]: r for r in _records(train, 60)}
@@ -277,11 +290,9 @@ def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
     gold = diamond = 0.0
     for d in demos:
         record = by_id[d["source_id"]]
-        shortest = distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
-        routes = [d["completion"][len("<route>"):-len("</route>")]] if d["m"] == 1 else parse_chain(
-            d["completion"], 3, "route")
+        routes = _maze_demo_routes(d)
         assert all(r is not None for r in routes) and len(set(routes)) == len(routes)
-        assert len(routes[0].split()) == shortest  # the first (or only) route is a shortest one
+        assert len(routes[0].split()) == _shortest_moves(record)  # the first (or only) route is a shortest one
         assert [len(r.split()) for r in routes] == sorted(len(r.split()) for r in routes)  # shortest first
         for r in routes:
             score = maze_reward(r, record)
@@ -292,8 +303,7 @@ def test_maze_shortest_demonstrations_are_shortest_routes_blind_to_the_zones():
 
 
 def test_maze_direct_chains_are_completed_with_one_detour_routes():
-    from vpo_lightning.sft.demos import distances_to_exit
-    from vpo_lightning.tasks.maze import Maze, maze_reward
+    from vpo_lightning.tasks.maze import maze_reward
 
     train = REPO / "data" / "maze" / "5x5" / "train.jsonl"
     by_id = {r["id"]: r for r in _records(train, 60)}
@@ -303,8 +313,8 @@ def test_maze_direct_chains_are_completed_with_one_detour_routes():
     lengths = []
     for d in (d for d in direct if d["m"] == 3):
         record = by_id[d["source_id"]]
-        best = distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
-        routes = parse_chain(d["completion"], 3, "route")
+        best = _shortest_moves(record)
+        routes = _maze_demo_routes(d)
         assert len(set(routes)) == 3 and all(maze_reward(r, record)[0] == 1.0 for r in routes)
         lengths += [len(r.split()) - best for r in routes]
     assert set(lengths) <= {0, 2, 4, 6} and lengths.count(0) + lengths.count(2) >= 0.95 * len(lengths)

@@ -14,11 +14,11 @@ Variants (``--variants``, comma-separated; the first is the reference of the rat
                  attention (``set_attn_implementation("sdpa")`` for the call); only the prefill's skipped LM head is
                  new in it
     concat       ``prealloc`` with transformers' growing KV cache (torch.cat per step)
-    prealloc     ``TransformersEngine(decode_loop=False, merge_lora=False, pack_weights=False)``:
+    prealloc     ``TransformersEngine(decode_loop=False, merge_lora=False, prepack_weights=False)``:
                  ``model.generate`` after the shared prefill, KV cache in buffers allocated once, unmerged LoRA, the
                  model's attention as ``vpo fit`` loads it (``vpo_sdpa``: a grouped-matmul decode in bf16)
     no-share     ``prealloc`` without the shared prefill: each chain prefills its own copy of the prompt
-    packed       ``prealloc`` with ``pack_weights=True``: oneDNN-prepacked linear weights for the call
+    packed       ``prealloc`` with ``prepack_weights=True``: oneDNN-prepacked linear weights for the call
     merged       ``prealloc`` with ``merge_lora=True``: the adapter merged into a copy of the base weights for the
                  call (one matmul per layer; the merged weights round once, so tokens may differ)
     loop         ``prealloc`` with ``decode_loop=True`` (through the model's forward): the engine's own decode loop
@@ -61,13 +61,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-GENERATE = {"decode_loop": False, "merge_lora": False, "pack_weights": False}
+GENERATE = {"decode_loop": False, "merge_lora": False, "prepack_weights": False}
 VARIANTS = {
     "before": GENERATE,
     "concat": {**GENERATE, "preallocate_cache": False},
     "prealloc": GENERATE,
     "no-share": {**GENERATE, "share_prompt_prefix": False},
-    "packed": {**GENERATE, "pack_weights": True},
+    "packed": {**GENERATE, "prepack_weights": True},
     "merged": {**GENERATE, "merge_lora": True},
     "loop": {**GENERATE, "decode_loop": True, "fused_decode": False},
     "unfused": {"fused_decode": False},

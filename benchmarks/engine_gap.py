@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {args.model}, {dtype}, B={len(prompts)} G={G}, {args.max_new_tokens} new tokens | mean gap | max gap | "
           "tokens |\n|---|---|---|---|")
     rows = {"default": TransformersEngine(), "unfused": TransformersEngine(fused_decode=False),
-            "unmerged": TransformersEngine(merge_lora=False, pack_weights=False)}
+            "unmerged": TransformersEngine(merge_lora=False, prepack_weights=False)}
     for name, engine in rows.items():
         mean, worst, count = gap(engine)
         print(f"| {name} | {mean:.2e} | {worst:.2e} | {count} |")

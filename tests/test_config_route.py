@@ -139,3 +139,33 @@ def test_one_dotted_key_reader():
     assert get(Namespace(a=Namespace(b=1)), "a.z", "d") == "d"
     assert get(types.SimpleNamespace(a=types.SimpleNamespace(b=3)), "a.b") == 3
     assert get({"a": "text"}, "a.b", 0) == 0
+
+
+def test_load_model_types_the_model_section_as_vpo_fit_does(tmp_path, monkeypatch):
+    """`vpo eval/search/serve/export` load the policy with the model settings `vpo fit` would build: the same
+    defaults (from ModelSettings' signature) and the same type checks, naming the key."""
+    _, _, cli = _resolved_by_fit_and_eval(tmp_path, monkeypatch)
+    assert runs._model_settings({"name": "tiny-llama"}) == cli.model.model_settings
+    built = runs._model_settings({"name": "tiny-llama", "lora": {"r": "4"}, "dtype": "fp32"})
+    assert (built.lora.r, built.lora.alpha, built.dtype, built.attn_implementation) == (4, 32, "fp32", "sdpa")
+    with pytest.raises(ValueError, match=r"model\.model\.lora\.r"):
+        runs._model_settings({"name": "tiny-llama", "lora": {"r": "sixteen"}})
+    with pytest.raises(ValueError, match=r"model\.model\.dtype"):
+        runs._model_settings({"name": "tiny-llama", "dtype": "bfloat17"})
+
+
+def test_a_renamed_engine_key_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_path, caplog):
+    """A run saved before `pack_weights` became `prepack_weights` (its config.yaml lists every engine argument)
+    still evaluates; `vpo fit` names the new key instead of jsonargparse's bare refusal."""
+    old = {"rollout": {"rewards": ["maze"], "engine": {
+        "class_path": "vpo_lightning.generation.engines.TransformersEngine", "init_args": {"pack_weights": False}}}}
+    run = resolve(old, "old/config.yaml")
+    assert run.engine_args()["prepack_weights"] is False
+    assert "pack_weights is now rollout.engine.init_args.prepack_weights" in caplog.text
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  engine:\n    init_args:\n      pack_weights: false\n")
+    from vpo_lightning.training.config import fit_parser
+
+    found = config_check.find_unknown_keys(fit_parser(), ["--config", str(path)])
+    assert [(u.key, u.suggestions) for u in found] == [
+        ("rollout.engine.init_args.pack_weights", ("rollout.engine.init_args.prepack_weights",))]

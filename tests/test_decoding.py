@@ -15,13 +15,13 @@ from vpo_lightning.generation.attention import vpo_sdpa
 from vpo_lightning.generation.decoding import (
     filter_logits,
     merged_lora,
-    packed_linears,
-    packing_works,
+    prepacked_linears,
+    prepacking_works,
     sample_next,
 )
 from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
 
-REFERENCE = {"decode_loop": False, "merge_lora": False, "pack_weights": False}  # model.generate, as before #25
+REFERENCE = {"decode_loop": False, "merge_lora": False, "prepack_weights": False}  # model.generate, as before #25
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
@@ -130,14 +130,14 @@ def test_merged_lora_leaves_a_model_without_lora_alone():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linears_match_linear_and_are_removed_after(dtype):
-    if not packing_works(dtype):
+    if not prepacking_works(dtype):
         pytest.skip(f"this torch/CPU has no oneDNN prepacked {dtype} products")
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32, bias=False)).to(dtype)
     x = torch.randn(16, 1, 64, generator=g).to(dtype)
     with torch.no_grad():
         ref = model(x)
-        with packed_linears(model, rows=16) as switched:
+        with prepacked_linears(model, rows=16) as switched:
             assert switched == 2 and all("forward" in vars(m) for m in model if isinstance(m, torch.nn.Linear))
             out = model(x)
             wide = model(torch.randn(2, 30, 64, generator=g).to(dtype))  # a prefill-shaped input works too
@@ -159,8 +159,8 @@ def test_decode_loop_gives_the_reference_engines_tokens_under_greedy_decoding(ti
     prompts, greedy = _prompts(module), SamplingSettings(top_k=1, max_new_tokens=12)
     ref = TransformersEngine(**REFERENCE).generate(module, prompts, 3, greedy)
     assert ref.engine_logprobs is None and len(set(map(tuple, ref.completion_ids))) > 1
-    for options in [{}, {"fused_decode": False}, {"merge_lora": False, "pack_weights": False}, {"decode_loop": False},
-                    {"decode_loop": False, "merge_lora": False}]:
+    for options in [{}, {"fused_decode": False}, {"merge_lora": False, "prepack_weights": False},
+                    {"decode_loop": False}, {"decode_loop": False, "merge_lora": False}]:
         out = TransformersEngine(**options).generate(module, prompts, 3, greedy)
         assert out.completion_ids == ref.completion_ids, options
         assert out.texts == ref.texts
@@ -226,7 +226,7 @@ def test_fast_linears_packs_the_merged_weights_and_leaves_the_model_as_it_was(ti
     they are disabled), the outputs are the merged model's, and afterwards the model is the adapted one again."""
     from vpo_lightning.generation.decoding import fast_linears
 
-    if not packing_works(torch.float32):
+    if not prepacking_works(torch.float32):
         pytest.skip("this torch/CPU has no oneDNN prepacked float32 products")
     module = tiny_module()
     ids = torch.tensor([[5, 17, 99, 3, 42]])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vpo_lightning.generation.decoding import packing_works
+from vpo_lightning.generation.decoding import prepacking_works
 from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, left_pad
 from vpo_lightning.generation.fused_decode import FusedDecoder, supports
 
@@ -35,8 +35,8 @@ def _fused_logits(decoder, ids, mask, group_size, steps):
     return torch.stack(out, 1)  # [n, T, V]
 
 
-def _check(model, prompts, pad_id, group_size=3, steps=6, pack=True, atol=2e-4):
-    decoder = FusedDecoder.build(model, rows=len(prompts) * group_size, pack=pack)
+def _check(model, prompts, pad_id, group_size=3, steps=6, prepack=True, atol=2e-4):
+    decoder = FusedDecoder.build(model, rows=len(prompts) * group_size, prepack=prepack)
     assert decoder is not None, supports(model)
     ids, mask = left_pad(prompts, pad_id, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
@@ -46,11 +46,11 @@ def _check(model, prompts, pad_id, group_size=3, steps=6, pack=True, atol=2e-4):
     torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_fused_logits_equal_the_lora_policys_forward(tiny_module, pack):
+@pytest.mark.parametrize("prepack", [True, False])
+def test_fused_logits_equal_the_lora_policys_forward(tiny_module, prepack):
     """The tiny Llama (grouped-query heads) with a non-zero LoRA adapter, merged by the decoder, unmerged in the
     reference; two prompts of different lengths (left padding), three chains each, six decode steps."""
-    if pack and not packing_works(torch.float32):
+    if prepack and not prepacking_works(torch.float32):
         pytest.skip("this torch/CPU has no oneDNN prepacked float32 products")
     module = tiny_module()
     cfg = module.policy.get_base_model().config
@@ -58,7 +58,7 @@ def test_fused_logits_equal_the_lora_policys_forward(tiny_module, pack):
     tok = module.tokenizer
     prompts = [tok("hello there")["input_ids"], tok("a longer prompt with more tokens in it")["input_ids"]]
     module.policy.eval()
-    _check(module.policy, prompts, tok.pad_token_id, pack=pack)
+    _check(module.policy, prompts, tok.pad_token_id, prepack=prepack)
 
 
 def _random_model(kind: str, **overrides):

@@ -13,7 +13,7 @@ import argparse
 import hashlib
 import inspect
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +82,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, require
     if missing:
         raise ValueError(f"config {str(path)!r} has no {missing[0]}: section (is it a `vpo fit` config?)")
     return out
-
-
-def known(cls: type, values: dict[str, Any] | None) -> dict[str, Any]:
-    """The entries of ``values`` that are fields of the dataclass ``cls``."""
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in (values or {}).items() if k in names}
 
 
 def default_of(fn: Any, name: str) -> Any:
@@ -201,6 +195,13 @@ def load_ckpt_policy(settings: Any, ckpt: dict[str, Any], device: torch.device) 
     return model
 
 
+def _model_settings(raw: dict[str, Any]) -> Any:
+    """``model.model`` typed and defaulted by the ``vpo fit`` parser (training/config.py), as `vpo fit` builds it."""
+    from vpo_lightning.training.config import resolve
+
+    return resolve({"model": {"model": raw}}, "model.model").model_settings()
+
+
 def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = None,
                adapter: str | None = None) -> tuple[Any, Any, dict]:
     """Load the policy a config describes: the base model, base + PEFT ``adapter``, or base + the LoRA weights of a
@@ -210,7 +211,7 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
         ``(model, ModelSettings, info)``; ``info`` names the weights and their sha256 (for eval.json).
     """
     from vpo_lightning.generation.adapters import adapter_weights_file, read_meta
-    from vpo_lightning.generation.models import ModelSettings, load_base_model
+    from vpo_lightning.generation.models import load_base_model
 
     raw = dict(get(cfg, "model.model", {}) or {})
     info: dict[str, Any] = {"ckpt": ckpt, "adapter": adapter, "weights_sha256": None, "global_step": None}
@@ -225,7 +226,7 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
                 log.warning("--ckpt was trained on %s, not the config's %s: using %s", saved.get("name"),
                             raw.get("name"), saved.get("name"))
             raw.update({k: saved[k] for k in ("name", "lora", "adapter") if k in saved})
-        settings = ModelSettings(**known(ModelSettings, raw))
+        settings = _model_settings(raw)
         model = load_ckpt_policy(settings, state, device)
         info.update(weights_sha256=sha256_file(path), global_step=state.get("global_step"))
         return model, settings, info
@@ -233,7 +234,7 @@ def load_model(cfg: dict[str, Any], device: torch.device, ckpt: str | None = Non
         # a self-contained export: the starting adapter is stacked into it, so it goes on the raw base
         raw["adapter"] = None
         info["start_adapter"] = meta.get("start_adapter")
-    settings = ModelSettings(**known(ModelSettings, raw))
+    settings = _model_settings(raw)
     model = load_base_model(settings, device)  # merges the run's starting adapter (model.adapter) when set
     info["adapter"] = adapter or settings.adapter
     if adapter:

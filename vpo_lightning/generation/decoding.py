@@ -14,7 +14,7 @@ here removes one of these without changing what is sampled:
   (bf16 on CPU), ``scaled_dot_product_attention`` for anything else.
 - :func:`merged_lora`: the adapter's ``B @ A * scale`` added to fresh copies of the base weights for the duration of
   a rollout, with the adapter disabled; the original weight tensors are put back untouched afterwards.
-- :func:`packed_linears`: oneDNN-prepacked weights for the small-row products of a decode step (CPU);
+- :func:`prepacked_linears`: oneDNN-prepacked weights for the small-row products of a decode step (CPU);
   :func:`fast_linears` combines the two with one extra copy of the weights.
 """
 
@@ -133,7 +133,7 @@ def prepack_linear_weight(weight: Tensor, rows: int) -> Tensor | None:
     """``weight`` [out, in] reordered by oneDNN for products with about ``rows`` input rows (the layout
     ``torch.compile``'s CPU backend prepares when it freezes weights), or None where torch has no oneDNN or the
     weight is not a float32/bf16 CPU tensor."""
-    if not packable(weight):
+    if not prepackable(weight):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
@@ -141,13 +141,14 @@ def prepack_linear_weight(weight: Tensor, rows: int) -> Tensor | None:
         return None
 
 
-def packable(weight: Tensor) -> bool:
-    """Whether :func:`prepack_linear_weight` can pack ``weight``: a CPU tensor of a dtype :func:`packing_works` for."""
-    return weight.device.type == "cpu" and packing_works(weight.dtype)
+def prepackable(weight: Tensor) -> bool:
+    """Whether :func:`prepack_linear_weight` can prepack ``weight``: a CPU tensor of a dtype
+    :func:`prepacking_works` for."""
+    return weight.device.type == "cpu" and prepacking_works(weight.dtype)
 
 
 @functools.cache
-def packing_works(dtype: torch.dtype) -> bool:
+def prepacking_works(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU compute oneDNN-prepacked products in ``dtype`` (float32 or bf16), checked
     once per process on a small product against ``torch.nn.functional.linear``."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
@@ -170,7 +171,7 @@ def _packed_linear(packed: Tensor, dtype: torch.dtype, bias: Tensor | None, x: T
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | None = None,
+def prepacked_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | None = None,
                    skip: set[nn.Module] | None = None) -> Iterator[int]:
     """Within the block (inference only: the weights must not change), every plain float ``nn.Linear`` of ``model``
     on CPU multiplies with a oneDNN-prepacked copy of its current weight. A decode step is ~16 rows against each
@@ -181,7 +182,7 @@ def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | 
     the block runs.
 
     Args:
-        weights: for these modules, a function returning the weight to pack instead of their own (called once;
+        weights: for these modules, a function returning the weight to prepack instead of their own (called once;
             the tensor is dropped after packing: how :func:`fast_linears` packs merged LoRA weights).
         skip: modules left as they are.
     """
@@ -190,7 +191,7 @@ def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | 
     try:
         with torch.no_grad():
             for mod in model.modules():
-                if type(mod) is not nn.Linear or "forward" in vars(mod) or mod in skip or not packable(mod.weight):
+                if type(mod) is not nn.Linear or "forward" in vars(mod) or mod in skip or not prepackable(mod.weight):
                     continue  # (checked before weights[mod]() computes a merged weight that would not be packed)
                 packed = prepack_linear_weight(weights[mod]() if mod in weights else mod.weight, rows)
                 if packed is None:
@@ -204,17 +205,17 @@ def packed_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any] | 
 
 
 @contextlib.contextmanager
-def fast_linears(model: nn.Module, rows: int, merge: bool = True, pack: bool = True) -> Iterator[None]:
+def fast_linears(model: nn.Module, rows: int, merge: bool = True, prepack: bool = True) -> Iterator[None]:
     """The engine's linear layers for one rollout: the LoRA adapter merged (:func:`merged_lora`) and/or every
-    weight prepacked (:func:`packed_linears`). With both, each merged weight is packed and dropped at once, so
+    weight prepacked (:func:`prepacked_linears`). With both, each merged weight is packed and dropped at once, so
     the block holds one extra copy of the weights (the packed one), not two."""
     layers = mergeable_lora_layers(model) if merge and hasattr(model, "disable_adapter") else None
-    if pack and layers is not None and all(packable(layer.get_base_layer().weight) for layer in layers):
+    if prepack and layers is not None and all(prepackable(layer.get_base_layer().weight) for layer in layers):
         merged = {layer.get_base_layer(): functools.partial(merged_weight, layer) for layer in layers}
         adapters = {m for layer in layers for d in (layer.lora_A, layer.lora_B) for m in d.modules()}
-        with packed_linears(model, rows, merged, skip=adapters), model.disable_adapter():
+        with prepacked_linears(model, rows, merged, skip=adapters), model.disable_adapter():
             yield
         return
     nothing = contextlib.nullcontext()
-    with merged_lora(model) if merge else nothing, packed_linears(model, rows) if pack else nothing:
+    with merged_lora(model) if merge else nothing, prepacked_linears(model, rows) if prepack else nothing:
         yield

@@ -232,13 +232,13 @@ class TransformersEngine(Engine):
             would take GPU memory and the unmerged products cost little). One matmul per layer instead of three;
             the merged weights round once to the model dtype, so log-probs differ from the unmerged policy's by
             rounding (logged as ``train/engine_logprob_gap`` with ``decode_loop``).
-        pack_weights: on CPU, multiply with oneDNN-prepacked copies of the linear weights during each rollout
-            (:func:`~vpo_lightning.generation.decoding.packed_linears`; ~1.6x faster products at decode's 16 rows in
+        prepack_weights: on CPU, multiply with oneDNN-prepacked copies of the linear weights during each rollout
+            (:func:`~vpo_lightning.generation.decoding.prepacked_linears`; ~1.6x faster products at decode's 16 rows in
             bf16, ~2x in float32; float32 results differ by summation order). Costs a copy of the weights while
             generating.
         fused_decode: with ``decode_loop``, on CPU, for Llama-family models (``llama``, ``mistral``, ``qwen2``):
             prefill and decode through :class:`~vpo_lightning.generation.fused_decode.FusedDecoder` instead of the
-            model's forward: the same arithmetic from merged (``merge_lora``), fused and prepacked (``pack_weights``)
+            model's forward: the same arithmetic from merged (``merge_lora``), fused and prepacked (``prepack_weights``)
             weights, without transformers' per-module overhead. Another implementation of the forward, so its
             log-probs differ from the trainer's by rounding (``train/engine_logprob_gap``). Other models, quantized
             bases, DoRA and ``merge_lora=False`` with an adapter fall back to the model's forward.
@@ -250,12 +250,12 @@ class TransformersEngine(Engine):
 
     def __init__(
         self, max_batch_size: int = 0, per_prompt_seed: bool = False, share_prompt_prefix: bool = True,
-        preallocate_cache: bool = True, decode_loop: bool = True, merge_lora: bool = True, pack_weights: bool = True,
+        preallocate_cache: bool = True, decode_loop: bool = True, merge_lora: bool = True, prepack_weights: bool = True,
         fused_decode: bool = True, threads: int | str = "auto",
     ) -> None:
         self.max_batch_size, self.per_prompt_seed = max_batch_size, per_prompt_seed
         self.share_prompt_prefix, self.preallocate_cache = share_prompt_prefix, preallocate_cache
-        self.decode_loop, self.merge_lora, self.pack_weights = decode_loop, merge_lora, pack_weights
+        self.decode_loop, self.merge_lora, self.prepack_weights = decode_loop, merge_lora, prepack_weights
         self.fused_decode = fused_decode
         self.threads = parse_threads(threads)
 
@@ -353,9 +353,9 @@ class TransformersEngine(Engine):
             if self.fused_decode and logprobs is not None and on_cpu:
                 from vpo_lightning.generation.fused_decode import FusedDecoder
 
-                fused = FusedDecoder.build(model, rows, merge=self.merge_lora, pack=self.pack_weights)
-            with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, pack=self.pack_weights) if fused is None
-                  else contextlib.nullcontext()):
+                fused = FusedDecoder.build(model, rows, merge=self.merge_lora, prepack=self.prepack_weights)
+            with (fast_linears(model, rows, merge=self.merge_lora and on_cpu, prepack=self.prepack_weights)
+                  if fused is None else contextlib.nullcontext()):
                 for prompts, seed in calls:
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:

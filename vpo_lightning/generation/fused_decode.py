@@ -40,31 +40,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vpo_lightning.generation.decoding import mergeable_layer, merged_weight, packable, prepack_linear_weight
+from vpo_lightning.generation.decoding import mergeable_layer, merged_weight, prepack_linear_weight, prepackable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class FusedLinear:
     """``x @ weight.T + bias`` with ``weight`` prepacked by oneDNN where torch can (CPU, float32/bf16), plain
-    ``F.linear`` otherwise; holds only the packed copy when packing works. :meth:`add` adds another tensor to the
-    output inside the packed product (a oneDNN post-op: one pass over the output instead of two, applied before
+    ``F.linear`` otherwise; holds only the prepacked copy when prepacking works. :meth:`add` adds another tensor to the
+    output inside the prepacked product (a oneDNN post-op: one pass over the output instead of two, applied before
     the final rounding to the output dtype)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int, pack: bool = True) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int, prepack: bool = True) -> None:
         self.bias = None if bias is None else bias.detach()
-        self.packed = prepack_linear_weight(weight, rows) if pack and packable(weight) else None
-        self.weight = weight.detach() if self.packed is None else None
+        self.prepacked = prepack_linear_weight(weight, rows) if prepack and prepackable(weight) else None
+        self.weight = weight.detach() if self.prepacked is None else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.prepacked is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add(self, x: Tensor, other: Tensor) -> Tensor:
         """``(x @ W.T + b) + other`` (a residual connection)."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+        if self.prepacked is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.prepacked, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
 
 
@@ -97,7 +97,7 @@ def _weight_and_bias(module: nn.Module, merge: bool) -> tuple[Tensor, Tensor | N
     return None
 
 
-def _fused(modules: list[nn.Module], rows: int, merge: bool, pack: bool) -> FusedLinear | None:
+def _fused(modules: list[nn.Module], rows: int, merge: bool, prepack: bool) -> FusedLinear | None:
     """One :class:`FusedLinear` for projections that read the same input: weights (and biases) stacked by rows."""
     parts = [_weight_and_bias(m, merge) for m in modules]
     if any(p is None for p in parts):
@@ -110,7 +110,7 @@ def _fused(modules: list[nn.Module], rows: int, merge: bool, pack: bool) -> Fuse
     else:
         bias = None
     weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # [sum(out), in]
-    return FusedLinear(weight, bias, rows, pack)
+    return FusedLinear(weight, bias, rows, prepack)
 
 
 def supports(model: nn.Module) -> str | None:
@@ -156,7 +156,7 @@ class FusedDecoder:
         self.inter = cfg.intermediate_size
 
     @classmethod
-    def build(cls, model: nn.Module, rows: int, merge: bool = True, pack: bool = True) -> FusedDecoder | None:
+    def build(cls, model: nn.Module, rows: int, merge: bool = True, prepack: bool = True) -> FusedDecoder | None:
         """The decoder for ``model`` (a transformers Llama-family model, optionally a PEFT LoRA model: the adapter
         is merged) with weights prepacked for ``rows`` rows; None if :func:`supports` says no or a projection is not
         a plain float linear layer (quantized, DoRA, or LoRA with ``merge=False``)."""
@@ -167,15 +167,15 @@ class FusedDecoder:
         with torch.no_grad():
             for layer in base.model.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                parts = (_fused([att.q_proj, att.k_proj, att.v_proj], rows, merge, pack),
-                         _fused([att.o_proj], rows, merge, pack),
-                         _fused([mlp.gate_proj, mlp.up_proj], rows, merge, pack),
-                         _fused([mlp.down_proj], rows, merge, pack))
+                parts = (_fused([att.q_proj, att.k_proj, att.v_proj], rows, merge, prepack),
+                         _fused([att.o_proj], rows, merge, prepack),
+                         _fused([mlp.gate_proj, mlp.up_proj], rows, merge, prepack),
+                         _fused([mlp.down_proj], rows, merge, prepack))
                 if any(p is None for p in parts):
                     return None
                 layers.append(FusedLayer(layer.input_layernorm.weight.detach(),
                                          layer.post_attention_layernorm.weight.detach(), *parts))
-            head = _fused([base.lm_head], rows, merge, pack)
+            head = _fused([base.lm_head], rows, merge, prepack)
         if head is None:
             return None
         return cls(base, layers, head)

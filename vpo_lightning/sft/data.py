@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from vpo_lightning.core.packing import packed_attention_mask
-from vpo_lightning.training.datamodule import PromptStream, StreamDataModule
+from vpo_lightning.training.datamodule import StreamDataModule
 
 log = logging.getLogger(__name__)
 
@@ -128,21 +128,16 @@ class SFTDataModule(StreamDataModule):
         seed: int = 0,
         tokenizer: str | None = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        super().__init__(train_files, batch_size, seed, tokenizer)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-        self.train_files, self.builder = list(train_files), builder
-        self.formats = list(formats) if formats is not None else [1]
+        self.builder, self.formats = builder, list(formats) if formats is not None else [1]
         self.val_fraction, self.max_val_examples = val_fraction, max_val_examples
-        self.batch_size, self.max_tokens_per_row, self.pack = batch_size, max_tokens_per_row, pack
+        self.max_tokens_per_row, self.pack = max_tokens_per_row, pack
         self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
-        self.max_train_examples, self.seed, self.tokenizer = max_train_examples, seed, tokenizer
+        self.max_train_examples = max_train_examples
         self.train_examples: list[dict[str, Any]] = []
         self.val_examples: list[dict[str, Any]] = []
-        self.train_stream: PromptStream | None = None
-        self._position = 0
 
     # ---- building ------------------------------------------------------------------------------------------
     def demonstrations(self) -> list[dict[str, Any]]:

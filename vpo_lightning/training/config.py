@@ -79,6 +79,22 @@ def fit_parser() -> Any:
     raise RuntimeError("VPOCLI built no parser")  # unreachable: LightningCLI parses right after building
 
 
+# keys renamed since runs were saved (a run's config.yaml lists every engine argument): old -> new
+RENAMED_KEYS = {"rollout.engine.init_args.pack_weights": "rollout.engine.init_args.prepack_weights"}
+
+
+def _rename_old_keys(cfg: dict[str, Any], source: str) -> None:
+    """Move the values of :data:`RENAMED_KEYS` found in ``cfg`` (in place) to their new keys, with a warning."""
+    for old, new in RENAMED_KEYS.items():
+        *parents, last = old.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, dict) and last in node:
+            node.setdefault(new.rpartition(".")[2], node.pop(last))
+            log.warning("%s: %s is now %s; read as such", source, old, new)
+
+
 def _drop_unknown(cfg: Mapping[str, Any], parser: Any, source: str) -> dict[str, Any]:
     """``cfg`` without the keys ``vpo fit`` does not know (each named with the closest known keys in a warning):
     the commands beside ``vpo fit`` read what they know of a config, as they always have."""
@@ -138,6 +154,14 @@ class RunConfig:
             raise ValueError(f"{self.source}: rollout.rewards is required (the reward names, e.g. [maze])")
         return self.instantiate("rollout")
 
+    def model_settings(self) -> Any:
+        """The policy's :class:`~vpo_lightning.generation.models.ModelSettings` (``model.model``), with the values
+        and defaults ``vpo fit`` gives it (types checked by the same parser; a nested ``lora`` section included)."""
+        from vpo_lightning.generation.models import ModelSettings
+
+        node = self.value("model.model")
+        return ModelSettings(**(node.as_dict() if hasattr(node, "as_dict") else dict(node or {})))
+
     def engine_class(self) -> type:
         """The rollout engine's class, as the config names it (``rollout.engine.class_path``)."""
         return import_class(str(self.value("rollout.engine.class_path")))
@@ -165,7 +189,9 @@ def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mappi
     from jsonargparse import ArgumentError
 
     parser = fit_parser()
-    data = _drop_unknown(cfg, parser, source)
+    data = _plain(cfg)
+    _rename_old_keys(data, source)
+    data = _drop_unknown(data, parser, source)
     for key, value in (overrides or {}).items():
         *parents, last = key.split(".")
         node = data

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from vpo_lightning.training.config import get, import_class
+from vpo_lightning.training.config import RENAMED_KEYS, get, import_class
 
 # jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
 _SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
@@ -92,6 +92,14 @@ def _unknown(key: str, where: str, known: frozenset[str]) -> UnknownKey:
         ours, why = TRL_NAMES[last]
         return UnknownKey(key, where, (ours,), f"({last} is TRL's name{': ' + why if why else ''})")
     return UnknownKey(key, where, tuple(suggest(key, known)))
+
+
+_MISSING = object()
+
+
+def _renamed(key: str, where: str) -> UnknownKey:
+    return UnknownKey(key, where, (RENAMED_KEYS[key],), "(renamed; a run saved before the rename can be resumed "
+                      "by changing the key in its config.yaml)")
 
 
 def known_keys(parser: Any) -> tuple[frozenset[str], frozenset[str]]:
@@ -178,8 +186,10 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
 
     leaves, sections = known_keys(parser)
     known = leaves | sections
+    given = command_line_keys(argv)
     found = [_unknown(k, "the command line", known)
-             for k in command_line_keys(argv) if k not in ("help", "config") and not is_known(k, leaves, sections)]
+             for k in given if k not in ("help", "config") and not is_known(k, leaves, sections)]
+    found += [_renamed(k, "the command line") for k in given if k in RENAMED_KEYS]
     for path in config_paths(argv):
         try:
             data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -187,6 +197,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
             found += [_unknown(k, path, known) for k in config_file_keys(data, leaves, sections)]
+            found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k, _MISSING) is not _MISSING]
     return found
 
 

@@ -53,10 +53,15 @@ def _collate(batch: dict[str, Any]) -> dict[str, Any]:
 
 class StreamDataModule(L.LightningDataModule):
     """What the prompt and SFT data modules share: rank-split streams, and a training position that every checkpoint
-    saves and a resume restores. Subclasses set ``train_stream`` (None until ``setup``) and ``_position``."""
+    saves and a resume restores. Subclasses set ``train_stream`` in ``setup``."""
 
-    train_stream: PromptStream | None
-    _position: int
+    def __init__(self, train_files: list[str], batch_size: int, seed: int, tokenizer: str | None) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.train_files, self.batch_size, self.seed, self.tokenizer = list(train_files), batch_size, seed, tokenizer
+        self.train_stream: PromptStream | None = None
+        self._position = 0
 
     def _stream(self, records: list[dict], batch_size: int, shuffle: bool = True, position: int = 0) -> PromptStream:
         """A stream over ``records`` with this module's seed, split by rank when a trainer is attached."""
@@ -117,16 +122,11 @@ class PromptDataModule(StreamDataModule):
         seed: int = 0,
         tokenizer: str | None = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        self.train_files, self.val_files = list(train_files), list(val_files or [])
-        self.batch_size, self.val_batch_size, self.max_val_prompts = batch_size, val_batch_size, max_val_prompts
+        super().__init__(train_files, batch_size, seed, tokenizer)
+        self.val_files = list(val_files or [])
+        self.val_batch_size, self.max_val_prompts = val_batch_size, max_val_prompts
         self.max_prompt_tokens, self.max_train_prompts = max_prompt_tokens, max_train_prompts
-        self.seed, self.tokenizer = seed, tokenizer
-        self.train_stream: PromptStream | None = None
         self.val_records: list[dict] = []
-        self._position = 0
 
     def _filter_length(self, records: list[dict]) -> list[dict]:
         if not self.max_prompt_tokens or not self.tokenizer:

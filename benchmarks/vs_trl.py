@@ -220,8 +220,10 @@ def run_ours(spec: dict, partial: Path | None = None) -> dict:
                               log_samples_every=0)
     module = VPOModule(
         model=_model_settings(spec), loss=LossSettings(beta=spec["beta"]),
+        # TRL's job: one update per rollout (our default since issue 37 is the reference's 2 mini-batch updates,
+        # which adds an old-log-prob pass and a second update), no weight decay
         optim=OptimSettings(lr=spec["lr"], micro_batch_size=spec["micro_batch_size"], max_grad_norm=1.0,
-                            logprob_chunk_size=spec["logprob_chunk_size"]),
+                            logprob_chunk_size=spec["logprob_chunk_size"], mini_batches=1, weight_decay=0.0),
     )
     L.seed_everything(spec["seed"], verbose=False)
     t0 = time.perf_counter()

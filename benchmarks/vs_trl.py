@@ -181,6 +181,22 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def ours_optim_args(spec: dict) -> dict:
+    """Our OptimSettings for TRL's job: one update per rollout (our default since issue 37 is the reference's two
+    mini-batch updates, which adds an old-log-prob pass and a second update), no weight decay, TRL's clipping."""
+    return {"lr": spec["lr"], "micro_batch_size": spec["micro_batch_size"], "max_grad_norm": 1.0,
+            "logprob_chunk_size": spec["logprob_chunk_size"], "mini_batches": 1, "num_iterations": 1,
+            "weight_decay": 0.0}
+
+
+def trl_config_args(spec: dict) -> dict:
+    """GRPOConfig's arguments that define the job (one optimizer update per B * G generations)."""
+    B, G = spec["prompts_per_step"], spec["group_size"]
+    return {"per_device_train_batch_size": B * G, "gradient_accumulation_steps": 1, "generation_batch_size": B * G,
+            "num_generations": G, "num_iterations": 1, "learning_rate": spec["lr"], "weight_decay": 0.0,
+            "max_grad_norm": 1.0, "beta": spec["beta"], "max_completion_length": spec["max_new_tokens"]}
+
+
 def _model_settings(spec: dict):
     from vpo_lightning.generation.models import LoraSettings, ModelSettings
 
@@ -220,10 +236,7 @@ def run_ours(spec: dict, partial: Path | None = None) -> dict:
                               log_samples_every=0)
     module = VPOModule(
         model=_model_settings(spec), loss=LossSettings(beta=spec["beta"]),
-        # TRL's job: one update per rollout (our default since issue 37 is the reference's 2 mini-batch updates,
-        # which adds an old-log-prob pass and a second update), no weight decay
-        optim=OptimSettings(lr=spec["lr"], micro_batch_size=spec["micro_batch_size"], max_grad_norm=1.0,
-                            logprob_chunk_size=spec["logprob_chunk_size"], mini_batches=1, weight_decay=0.0),
+        optim=OptimSettings(**ours_optim_args(spec)),  # TRL's job (ours_optim_args)
     )
     L.seed_everything(spec["seed"], verbose=False)
     t0 = time.perf_counter()
@@ -250,7 +263,7 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
     from vpo_lightning.generation.models import load_base_model, load_tokenizer
 
     clock = _Clock(partial)
-    B, G = spec["prompts_per_step"], spec["group_size"]
+    B = spec["prompts_per_step"]
     tok = load_tokenizer(spec["model"])
     rows = [{"prompt": tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
              "record": json.dumps(r)} for r in spec["records"][: B * spec["steps"]]]
@@ -267,11 +280,9 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
     model = load_base_model(_model_settings(spec))  # the same loader and dtype as ours
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="vs-trl-"), use_cpu=True, bf16=False, fp16=False,  # precision = the model's
-        per_device_train_batch_size=B * G, gradient_accumulation_steps=1, generation_batch_size=B * G,
-        num_generations=G, num_iterations=1, max_completion_length=spec["max_new_tokens"], temperature=1.0,
-        top_p=1.0, top_k=0, beta=spec["beta"], epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=spec["steps"], shuffle_dataset=False, seed=spec["seed"], logging_steps=1, save_strategy="no",
+        **trl_config_args(spec), temperature=1.0, top_p=1.0, top_k=0, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", lr_scheduler_type="constant", warmup_steps=0, max_steps=spec["steps"],
+        shuffle_dataset=False, seed=spec["seed"], logging_steps=1, save_strategy="no",
         report_to=[], disable_dropout=True, gradient_checkpointing=spec["gradient_checkpointing"],
         dataloader_num_workers=0, log_completions=False,
     )

@@ -83,36 +83,33 @@ def fit_parser() -> Any:
 RENAMED_KEYS = {"rollout.engine.init_args.pack_weights": "rollout.engine.init_args.prepack_weights"}
 
 
+def _parent(cfg: dict[str, Any], dotted: str) -> tuple[Any, str]:
+    """The mapping that holds ``dotted``'s last part (None where a section is missing), and that part."""
+    parent, _, last = dotted.rpartition(".")
+    return (get(cfg, parent) if parent else cfg), last
+
+
 def _rename_old_keys(cfg: dict[str, Any], source: str) -> None:
     """Move the values of :data:`RENAMED_KEYS` found in ``cfg`` (in place) to their new keys, with a warning."""
     for old, new in RENAMED_KEYS.items():
-        *parents, last = old.split(".")
-        node = cfg
-        for part in parents:
-            node = node.get(part) if isinstance(node, Mapping) else None
+        node, last = _parent(cfg, old)
         if isinstance(node, dict) and last in node:
             node.setdefault(new.rpartition(".")[2], node.pop(last))
             log.warning("%s: %s is now %s; read as such", source, old, new)
 
 
-def _drop_unknown(cfg: Mapping[str, Any], parser: Any, source: str) -> dict[str, Any]:
-    """``cfg`` without the keys ``vpo fit`` does not know (each named with the closest known keys in a warning):
-    the commands beside ``vpo fit`` read what they know of a config, as they always have."""
+def _drop_unknown(cfg: dict[str, Any], parser: Any, source: str) -> None:
+    """Remove from ``cfg`` (in place) the keys ``vpo fit`` does not know, each named with the closest known keys
+    in a warning: the commands beside ``vpo fit`` read what they know of a config, as they always have."""
     from vpo_lightning.training import config_check
 
     leaves, sections = config_check.known_keys(parser)
-    unknown = config_check.config_file_keys(cfg, leaves, sections)
-    out = _plain(cfg)
-    for key in unknown:
+    for key in config_check.config_file_keys(cfg, leaves, sections):
         hint = config_check.suggest(key, leaves | sections)
         log.warning("%s: %s is not a `vpo fit` key%s; ignored", source, key,
                     f" (did you mean {' or '.join(hint)}?)" if hint else "")
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
+        node, last = _parent(cfg, key)
         node.pop(last, None)
-    return out
 
 
 def _plain(value: Any) -> Any:
@@ -189,9 +186,9 @@ def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mappi
     from jsonargparse import ArgumentError
 
     parser = fit_parser()
-    data = _plain(cfg)
+    data = _plain(cfg)  # a copy: the renames and removals below leave the caller's mapping as it was
     _rename_old_keys(data, source)
-    data = _drop_unknown(data, parser, source)
+    _drop_unknown(data, parser, source)
     for key, value in (overrides or {}).items():
         *parents, last = key.split(".")
         node = data

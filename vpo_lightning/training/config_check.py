@@ -94,9 +94,6 @@ def _unknown(key: str, where: str, known: frozenset[str]) -> UnknownKey:
     return UnknownKey(key, where, tuple(suggest(key, known)))
 
 
-_MISSING = object()
-
-
 def _renamed(key: str, where: str) -> UnknownKey:
     return UnknownKey(key, where, (RENAMED_KEYS[key],), "(renamed; a run saved before the rename can be resumed "
                       "by changing the key in its config.yaml)")
@@ -197,7 +194,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
             found += [_unknown(k, path, known) for k in config_file_keys(data, leaves, sections)]
-            found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k, _MISSING) is not _MISSING]
+            found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k) is not None]
     return found
 
 

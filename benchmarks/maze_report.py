@@ -11,8 +11,9 @@ the fraction of answers that parse, that reach the exit (reward dimension ``exit
 answers score 0, as in training), and for chains the fraction with every position parsed. ``--curves`` reads a run's
 TensorBoard files and prints per-step train/ rewards, KL, parse rate, diversity and tokens. ``--results`` reads
 ``<results>/<method>-s<seed>/{eval.json,positions.json,curves.json,times.tsv}`` and writes the table (mean over seeds
-and prompts with hierarchical 95% bootstrap intervals, vpo_lightning.commands.replicates), the best@k plot, the cold
-start's per-position table, the first/last-10-step training summaries and wall times.
+and prompts with hierarchical 95% bootstrap intervals, vpo_lightning.commands.replicates), the best@k plot, the maze's
+exits-and-trade-offs table (exit pass@k, whole-zone routes, both@k: :func:`tradeoff_metrics`), the cold start's
+per-position table, the first/last-10-step training summaries and wall times.
 """
 
 from __future__ import annotations
@@ -54,6 +55,69 @@ def positions(eval_dir: Path) -> dict[str, Any]:
     return {"m": m, "chains": chains, "dim_names": dims, "all_parsed": complete / n,
             "parse_rate": [p / n for p in parsed], "exit_rate": [e / n for e in exits],
             "mean_reward": [[v / n for v in row] for row in sums]}
+
+
+def _none_of(n: int, avoid: int, k: int) -> float:
+    """Probability that k of n answers drawn without replacement avoid a given set of ``avoid`` answers."""
+    return math.comb(n - avoid, k) / math.comb(n, k)
+
+
+def route_kinds(prompt: dict[str, Any], dims: Sequence[str]) -> tuple[int, int, int, int]:
+    """``(n, exits, gold routes, diamond routes)`` of one prompt's answers (``eval.json``'s per-prompt ``rewards``
+    [n, D], absent answers as zero vectors): answers that reach the exit, and those that also collect the whole gold
+    (diamond) zone. The maze's budget makes a route with both whole zones impossible, so the two are disjoint."""
+    rewards = prompt["rewards"]
+    ex, gd, dm = dims.index("exit"), dims.index("gold"), dims.index("diamond")
+    exits = sum(r[ex] >= 1 for r in rewards)
+    gold = sum(r[ex] >= 1 and r[gd] >= 1 for r in rewards)
+    diamond = sum(r[ex] >= 1 and r[dm] >= 1 for r in rewards)
+    return len(rewards), exits, gold, diamond
+
+
+def tradeoff_metrics(prompt: dict[str, Any], dims: Sequence[str], ks: Sequence[int]) -> dict[str, float]:
+    """One prompt's exit pass@k (some answer among k reaches the exit: the unbiased estimator over k of the n
+    answers), the shares of whole-gold and whole-diamond routes, and both-routes@k: the probability that k answers
+    drawn from the n include a whole-gold route AND a whole-diamond route, the two best answers under opposite
+    trade-offs (inclusion-exclusion: 1 - P(no gold) - P(no diamond) + P(neither))."""
+    n, exits, gold, diamond = route_kinds(prompt, dims)
+    out = {"gold_share": gold / n, "diamond_share": diamond / n}
+    for k in ks:
+        out[f"exit_pass@{k}"] = 1.0 - _none_of(n, exits, k)
+        both = 1.0 - _none_of(n, gold, k) - _none_of(n, diamond, k) + _none_of(n, gold + diamond, k)
+        out[f"both@{k}"] = max(0.0, both)  # (rounding: 1 - 1 - 1 + 1 can print as -0.000)
+    return out
+
+
+def tradeoff_rows(groups: dict[str, list[dict[str, Any]]], ks: Sequence[int]) -> list[str]:
+    """The maze's own table: exit pass@k (the generic pass@k needs every dimension at 1, which the budget rules
+    out on every maze), whole-zone route shares and both-routes@k, mean over seeds and prompts with the same
+    hierarchical bootstrap intervals as the main table."""
+    import torch
+
+    from vpo_lightning.commands.replicates import _cell, bootstrap_interval
+
+    keys = [*[f"exit_pass@{k}" for k in ks], "gold_share", "diamond_share", *[f"both@{k}" for k in ks]]
+    rows = ["## Exits and trade-offs covered", "",
+            "Per prompt over its n answers: **exit pass@k**, the probability that k of them include one that reaches "
+            "the exit (the main table's pass@k asks every dimension to be 1, which the budget rules out on every "
+            "maze: a route cannot collect both zones); the shares of answers that are **whole-gold** and "
+            "**whole-diamond** routes (reach the exit with the whole zone collected); **both@k**, the probability "
+            "that k answers include a whole-gold AND a whole-diamond route, the best answers under the two opposite "
+            "trade-offs (the coverage VPO is built for). Added 2026-12-06 after GRPO s0 and before any VPO "
+            "evaluation was read.", "",
+            "| method | seeds | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for label, reports in groups.items():
+        cells = [label, str(len(reports))]
+        ids = [p["id"] for p in reports[0]["prompts"]]  # prompts aligned across seeds, as the main table does
+        per_seed = []
+        for rep in reports:
+            by_id = {p["id"]: p for p in rep["prompts"]}
+            per_seed.append([tradeoff_metrics(by_id[i], list(rep["dim_names"]), ks) for i in ids])
+        for key in keys:
+            values = torch.tensor([[m[key] for m in seed] for seed in per_seed], dtype=torch.float64)  # [S, P]
+            cells.append(_cell(bootstrap_interval(values)))
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows + [""]
 
 
 def curves(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -123,6 +187,8 @@ def report(results: Path, out: Path, coldstart: Path | None = None) -> None:
         plot = out.with_name(out.stem + "_best_at_k.png")
         plot_bands(best_at_k_bands(groups), plot, "Maze 5x5 (test split): best@k, 95% intervals over prompts and seeds")
         lines += ["", f"![best@k]({plot.name})", ""]
+        if all("exit" in r["dim_names"] and "gold" in r["dim_names"] for rs in groups.values() for r in rs):
+            lines += tradeoff_rows(groups, [k for k in (1, 3, 24) if k <= n])
     if coldstart is not None:
         lines += coldstart_rows(coldstart)
     pos = [(run.name, json.loads((run / "positions.json").read_text())) for run in runs

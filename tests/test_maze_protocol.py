@@ -62,3 +62,18 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
         assert "wrote" in report and "| VPO | vpo | 3 | 1 | 2 |" in text and "## Training curves" in text
     finally:
         subprocess.run(["rm", "-rf", *[str(p) for p in (ROOT / "checkpoints").glob(f"{prefix}-*")]], check=False)
+
+
+def test_tradeoff_metrics_exact_values() -> None:
+    """Four answers: a whole-gold route, a whole-diamond route, an unparsed one (zeros) and an exit with neither
+    zone: exit pass@1 = 3/4; any 2 include an exit; of the 6 pairs only {gold, diamond} covers both trade-offs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from maze_report import tradeoff_metrics
+
+    prompt = {"rewards": [[1, 1, 0, 1], [1, 0, 1, 0.5], [0, 0, 0, 0], [1, 0.5, 0, 1]]}
+    got = tradeoff_metrics(prompt, ["exit", "gold", "diamond", "safety"], [1, 2, 4])
+    assert got["exit_pass@1"] == pytest.approx(0.75) and got["exit_pass@2"] == pytest.approx(1.0)
+    assert got["gold_share"] == 0.25 and got["diamond_share"] == 0.25
+    assert got["both@1"] == 0.0
+    assert got["both@2"] == pytest.approx(1 / 6)
+    assert got["both@4"] == pytest.approx(1.0)

@@ -107,15 +107,6 @@ def int8_decoder(model, rows: int, kind: str, products: set[str]):
     return decoder
 
 
-def time_us(fn, repeats: int = 100) -> float:
-    for _ in range(10):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats * 1e6
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
@@ -130,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
+    from decode_step import time_us
     from roofline import cpu_description
     from vs_trl import tooluse_policy
 
@@ -192,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (packed, plain) in pairs.items():
         n_in = plain.weight.shape[1]
         x = torch.randn(rows, n_in, dtype=dtype_t)
-        timings = {"float": time_us(lambda packed=packed, x=x: packed(x))}
+        timings = {"float": time_us(lambda packed=packed, x=x: packed(x), 100)}
         for kind, cls in KINDS.items():
             q = cls(plain.weight, plain.bias)
-            timings[kind] = time_us(lambda q=q, x=x: q(x))
+            timings[kind] = time_us(lambda q=q, x=x: q(x), 100)
         product_rows.append({"product": name, "in": n_in, "out": plain.weight.shape[0], "us": timings})
 
     # 2 and 3. whole steps, interleaved, and the gaps

@@ -34,7 +34,10 @@ RESULTS_REPO=${RESULTS_REPO:-.}
 RESULTS_DIR=${RESULTS_DIR:-docs/results/maze}
 
 if [[ "${1:-}" == report ]]; then
-  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" \
+  midpoint=()  # the post-hoc step-50 evaluations, where they exist
+  [[ -d "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}" ]] \
+    && midpoint=(--midpoint "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}")
+  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" "${midpoint[@]}" \
     --coldstart "$RESULTS_REPO/${COLDSTART_DIR:-docs/results/maze-coldstart}" --out "$RESULTS_REPO/docs/results_maze.md"
 fi
 

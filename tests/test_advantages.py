@@ -76,16 +76,20 @@ def test_group_normalize_hand_computed():
     assert torch.equal(group_normalize(torch.tensor([[3.0, 3.0], [1.0, 1.0 + 1e-8]])), torch.zeros(2, 2))
 
 
-def test_multi_rlvr_counts_unique_present_rows():
-    rewards = torch.tensor([[[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]],  # f: .5 + 0 (duplicate) + .5 = 1.0
-                             [[1.0, 1.0], [0.0, 0.0], [0.5, 0.5]],  # f: 1 + 0 + .5 = 1.5
-                             [[0.0, 0.0], [0.0, 0.0], [0.0, 0.5]]]])  # f: 0 + 0 + .25 = .25
-    expected = group_normalize(torch.tensor([[1.0, 1.5, 0.25]]))
-    torch.testing.assert_close(multi_rlvr(rewards), expected)
-    # chain 0's first row absent: its copy is then the first present one and counts -> still 1.0;
-    # chain 1's [1, 1] absent -> .5; chain 2 unchanged .25
-    mask = torch.tensor([[[False, True, True], [False, True, True], [True, True, True]]])
-    torch.testing.assert_close(multi_rlvr(rewards, mask), group_normalize(torch.tensor([[1.0, 0.5, 0.25]])))
+def test_multi_rlvr_sums_every_present_row_with_the_sample_std():
+    """The reference's Multi-RLVR: the sum of f over the chain's present answers (repeats were dropped upstream by
+    the answer itself), GRPO-normalised with the sample std. Equal reward vectors are not duplicates."""
+    row = [1.0, 0.0, 0.0, 1.0]  # f = .5
+    rewards = torch.tensor([[[row, row, row],  # three different answers sharing a vector: 1.5 (not .5)
+                             [row, row, row],  # the same rows, two of them absent (repeats or unparsed): .5
+                             [[0.0] * 4] * 3]])  # nothing: 0
+    mask = torch.tensor([[[True, True, True], [True, False, False], [True, True, True]]])
+    # sums [1.5, .5, 0], mean 2/3, deviations [5/6, -1/6, -2/3], sample variance (25 + 1 + 16) / 36 / 2 = 7/12
+    expected = torch.tensor([[5 / 6, -1 / 6, -2 / 3]]) / math.sqrt(7 / 12)
+    torch.testing.assert_close(multi_rlvr(rewards, mask), expected, atol=ATOL, rtol=0)
+    # two chains: ddof 1 gives +-1/sqrt(2) (ddof 0 would give +-1)
+    two = torch.tensor([[[row, row], [row, [0.0] * 4]]])
+    torch.testing.assert_close(multi_rlvr(two), torch.tensor([[1.0, -1.0]]) / math.sqrt(2), atol=ATOL, rtol=0)
 
 
 def test_random_weight_grpo_hand_computed_and_sampling():
@@ -174,11 +178,11 @@ def test_f_baselines_average_over_the_real_dimensions_only():
     three = torch.cat([rewards[:1], torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]).view(1, 1, 1, 5)], dim=1)
     f = torch.tensor([[2 / 3, 1 / 3, 0.0]])
     torch.testing.assert_close(max_at_k(three, dim_mask=dim_mask[:1]), max_at_k(f.view(1, 3, 1, 1)))
-    # multi-RLVR: the garbage in dimension 3 does not make two equal real rows differ
+    # multi-RLVR: the garbage in padding dimension 3 counts nowhere
     chain = torch.tensor([[[[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]], [[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]]])
-    # real dims 0..2: chain 0 = one unique row [1, 0, 0] (f 1/3) + its duplicate -> 1/3; chain 1: 2/3 + 0 -> 2/3
-    torch.testing.assert_close(multi_rlvr(chain, dim_mask=torch.tensor([[True, True, True, False]])),
-                               group_normalize(torch.tensor([[1 / 3, 2 / 3]])))
+    # real dims 0..2: chain 0 = 1/3 + 1/3, chain 1 = 2/3 + 0: no spread (over all 4: .5 + .25 against .5)
+    assert torch.equal(multi_rlvr(chain, dim_mask=torch.tensor([[True, True, True, False]])), torch.zeros(1, 2))
+    assert multi_rlvr(chain).abs().sum() > 0  # with dimension 3 real, the chains differ
 
 
 def test_weights_live_on_the_real_dimensions_only():

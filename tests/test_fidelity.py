@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from vpo_lightning.commands.evaluate import build_engine
@@ -86,3 +87,28 @@ def test_identical_routes_of_a_training_chain_count_once() -> None:
     scores = protocol.score([cands], [make_record(maze, "test", 0)])
     assert scores.rewards[0, 0].tolist()[:2] == [1.0, 1.0] and scores.rewards[0, 1:].abs().sum() == 0
     assert protocol.candidates(chain) == [gold, gold.replace(" ", ", "), gold]  # evaluation scores every answer
+
+
+def test_multi_rlvr_counts_different_routes_that_share_a_reward_vector() -> None:
+    """The reference's Multi-RLVR (``score_multi``): routes are de-duplicated by their moves, not by their reward
+    vectors, and the fixed scalar is summed over the chain's answers. Three different routes that reach the exit
+    the same way (moves written after the exit are not walked) score 3 f; one route written three times scores f."""
+    from vpo_lightning.core.advantages import multi_rlvr
+    from vpo_lightning.core.protocol import ChainProtocol
+    from vpo_lightning.tasks.maze import generate_maze, make_record, shortest_route
+
+    maze = generate_maze(3, 5)
+    route = " ".join(shortest_route(maze, 0b000111))
+    different = "".join(f"<route_{i}>{route}{tail}</route_{i}>" for i, tail in ((1, ""), (2, " U"), (3, " L")))
+    repeated = "".join(f"<route_{i}>{route}</route_{i}>" for i in (1, 2, 3))
+    protocol = ChainProtocol(["maze"], "multi_rlvr", 3, tag_family="route")
+    split = [protocol.training_candidates(text) for text in (different, repeated)]
+    assert [n for _, n in split] == [0, 2]
+    scores = protocol.score([c for c, _ in split], [make_record(maze, "test", 0)] * 2)
+    rewards, mask = scores.rewards.view(1, 2, 3, -1), scores.mask.view(1, 2, 3)  # [B, G, m, D], [B, G, m]
+    vector = rewards[0, 0, 0]
+    assert vector[0] == 1.0 and (rewards[0, 0] == vector).all()  # all three reach the exit with one vector
+    f = float(vector.mean())
+    # sums 3 f and f: two chains, sample std |2 f| / sqrt(2) -> advantages +-1/sqrt(2)
+    torch.testing.assert_close(multi_rlvr(rewards, mask), torch.tensor([[1.0, -1.0]]) / 2**0.5, atol=1e-5, rtol=0)
+    assert f > 0

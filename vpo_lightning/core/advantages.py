@@ -12,7 +12,7 @@ weights live on the real dimensions only (a Dirichlet draw restricted to a subse
 is exactly Dirichlet over that subset). ``dim_mask=None`` means every dimension is real.
 
 Normalisation follows the reference (``verl/verl/trainer/ppo/core_algos.py``): VPO's and the weighted baselines'
-group z-norm use the population std (ddof 0, VPO-SPEC section 3); GRPO, max@k and GDPO's per-dimension step use the
+group z-norm use the population std (ddof 0, VPO-SPEC section 3); GRPO, Multi-RLVR, max@k and GDPO's per-dimension step use the
 sample std (ddof 1); GDPO's batch whitening is token-weighted.
 """
 
@@ -304,21 +304,19 @@ def grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None 
 def multi_rlvr(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,
                num_weights: int = 100, alpha: float = 1.0, eps: float = 1e-6,
                generator: torch.Generator | None = None, dim_mask: Tensor | None = None) -> Tensor:
-    """Multi-RLVR: per chain, the sum of f over de-duplicated candidate rows, then group z-norm (ddof 0).
+    """Multi-RLVR as the reference scores it: per chain, the sum of the fixed scalar f over its present candidates,
+    then GRPO's group z-norm with the sample std (ddof 1). ``rewards [B, G, m, D] -> [B, G]``.
 
-    A candidate whose reward vector (real dimensions) exactly equals that of an earlier present candidate of the
-    same chain counts 0; so does an absent one. ``rewards [B, G, m, D] -> [B, G]``; the weight arguments are unused.
+    Repeated answers are de-duplicated *before* this function, by the answer itself (the rollout drops a candidate
+    whose ``answer_key``, e.g. the maze's move list, repeats an earlier one of the chain: the reference's
+    ``dedup_routes``), and arrive here absent, like unparsed ones: an absent candidate counts 0 (the reference's
+    zero padding to m). Two *different* answers that share a reward vector both count, as in the reference's
+    ``score_multi``; nothing here looks at reward-vector equality. The weight arguments are unused.
     """
     rewards, mask = _check_rewards(rewards, mask)
     dim_mask = _check_dim_mask(dim_mask, rewards)
-    rewards = _real_only(rewards, dim_mask)
-    m = rewards.shape[2]
-    present = mask if mask is not None else torch.ones(rewards.shape[:3], dtype=torch.bool, device=rewards.device)
-    same = (rewards.unsqueeze(3) == rewards.unsqueeze(2)).all(dim=-1)  # [B, G, m, m]: row j equals row i
-    earlier = torch.ones(m, m, dtype=torch.bool, device=rewards.device).tril(-1)  # [m, m]: i < j
-    duplicate = (same & earlier & present.unsqueeze(2)).any(dim=-1)  # [B, G, m]
-    counted = (present & ~duplicate).to(rewards.dtype)  # [B, G, m]
-    return group_normalize((_f(rewards, dim_mask) * counted).sum(dim=-1), eps)  # [B, G]
+    f = _f(_masked(_real_only(rewards, dim_mask), mask), dim_mask)  # [B, G, m]; absent candidates 0
+    return _znorm(f.sum(dim=-1), dim=1, eps=eps, correction=1)  # [B, G]
 
 
 def random_weight_grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,

@@ -133,6 +133,88 @@ def tradeoff_rows(groups: dict[str, list[dict[str, Any]]], heading: bool = True)
     return rows + [""]
 
 
+PAIRS = (("VPO", "GRPO"), ("VPO", "Multi-RLVR"), ("VPO", "SFT, 3-route chains"),
+         ("GRPO", "SFT, single answers"), ("Multi-RLVR", "SFT, 3-route chains"))
+CHAIN = 3  # answers per "chain" in the one-chain metrics: a chain of the m = 3 methods, 3 samples of the others
+
+
+def exit_diversity(prompt: dict[str, Any], dims: Sequence[str]) -> float:
+    """Mean pairwise L1 distance between the reward vectors of one prompt's answers that reach the exit (the
+    headline diversity without the pairs where one answer fails and the other does not); NaN under two such."""
+    ex = dims.index("exit")
+    rows = [r for r, ok in zip(prompt["rewards"], prompt["present"]) if ok and r[ex] >= 1]
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]]
+    return sum(sum(abs(x - y) for x, y in zip(a, b)) for a, b in pairs) / len(pairs) if pairs else math.nan
+
+
+def chain_metrics(prompt: dict[str, Any], weights: Any) -> dict[str, float]:
+    """One-chain metrics of one prompt: over each run of ``CHAIN`` consecutive answers (``eval.json`` lists a
+    chain's answers together), the best f (mean of the dimensions) and VPO's own objective E_w[max_j w.r_j] under
+    the fixed Dirichlet draws ``weights [K, D]``, averaged over the chains. Absent answers score 0."""
+    import torch
+
+    r = torch.tensor(prompt["rewards"], dtype=torch.float64)  # [n, D], absent answers zero rows
+    r = r[: r.shape[0] // CHAIN * CHAIN].view(-1, CHAIN, r.shape[-1])  # [C, 3, D]
+    scores = torch.einsum("cjd,kd->cjk", r, weights.to(r))  # [C, 3, K]
+    return {"chain_best": float(r.mean(-1).amax(-1).mean()), "chain_ew_max": float(scores.amax(1).mean())}
+
+
+def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) -> list[str]:
+    """Paired differences (row method minus column method) over the shared test mazes: best@1/4/24, diversity
+    (all answers and exit-reaching ones), E_w best over the pool, and the one-chain metrics, each with its paired
+    bootstrap interval (mazes resampled for both sides together, seeds per side:
+    :func:`vpo_lightning.commands.replicates.paired_difference`). Nothing without the maze's dimensions."""
+    import torch
+
+    from vpo_lightning.commands.replicates import _cell, paired_difference, prompt_values
+    from vpo_lightning.core.advantages import sample_weights
+
+    if not all({"exit", "gold", "diamond"} <= set(r["dim_names"]) for rs in groups.values() for r in rs):
+        return []
+    pairs = [(a, b) for a, b in PAIRS if a in groups and b in groups]
+    if not pairs:
+        return []
+    ks = [k for k in (1, 4, 24) if k <= pool_size(groups)]
+    dim = len(next(iter(groups.values()))[0]["dim_names"])
+    weights = sample_weights(1000, dim, 1.0, generator=torch.Generator().manual_seed(0))  # [K, D], one draw for all
+
+    def matrix(reports: list[dict[str, Any]], key: str, ids: list[str]) -> Any:
+        if key.startswith("best@"):
+            return prompt_values(reports, "best_at_k", int(key[5:]))
+        if key in ("pairwise_l1_diversity", "expected_best_weighted"):
+            return prompt_values(reports, key)
+        rows = []
+        for rep in reports:
+            by_id = {p["id"]: p for p in rep["prompts"]}
+            if key == "exit_diversity":
+                rows.append([exit_diversity(by_id[i], list(rep["dim_names"])) for i in ids])
+            else:
+                rows.append([chain_metrics(by_id[i], weights)[key] for i in ids])
+        return torch.tensor(rows, dtype=torch.float64)  # [S, P]
+
+    keys = [*[f"best@{k}" for k in ks], "pairwise_l1_diversity", "exit_diversity", "expected_best_weighted",
+            "chain_best", "chain_ew_max"]
+    names = [*[f"best@{k}" for k in ks], "diversity (L1)", "diversity, exit routes", "E_w best (pool)",
+             "chain best f", "chain E_w max"]
+    lines = ["## Paired differences over the shared test mazes", "",
+             "Row method minus the method it is compared with, on the same mazes: the difference of the means over "
+             "seeds and mazes, with a 95% paired bootstrap interval (each draw resamples the mazes for both sides "
+             "together and each side's seeds on its own). An interval that excludes 0 is a separated difference. "
+             "*Diversity, exit routes*: the mean L1 between answers that both reach the exit (mazes with fewer than "
+             f"two such answers skipped). *Chain* metrics: over each {CHAIN} consecutive answers (one chain of a "
+             f"chain method, {CHAIN} independent samples of a single-answer one), the best f and E_w[max w.r] under "
+             "one fixed set of 1,000 Dirichlet(1) draws: VPO's own objective for one chain.", "",
+             "| difference | seeds | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for a, b in pairs:
+        ids = [p["id"] for p in groups[a][0]["prompts"]]
+        cells = [f"{a} - {b}", f"{len(groups[a])} / {len(groups[b])}"]
+        for key in keys:
+            cells.append(_cell(paired_difference(matrix(groups[a], key, ids), matrix(groups[b], key, ids),
+                                                 num_draws)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def curves(run_dir: Path) -> dict[str, dict[int, float]]:
     """The run's per-step training scalars of ``CURVE_TAGS`` (those it logged)."""
     from vpo_lightning.commands.runs import read_scalars
@@ -218,7 +300,7 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
         lines += summary_table(groups, best_at_k_ks(groups))
         plot = out.with_name(out.stem + "_best_at_k.png")
         plot_bands(best_at_k_bands(groups), plot, "Maze 5x5 (test split): best@k, 95% intervals over prompts and seeds")
-        lines += ["", f"![best@k]({plot.name})", ""] + tradeoff_rows(groups)
+        lines += ["", f"![best@k]({plot.name})", ""] + paired_rows(groups) + tradeoff_rows(groups)
     if midpoint is not None:
         lines += midpoint_rows(midpoint)
     if coldstart is not None:

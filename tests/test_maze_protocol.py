@@ -5,6 +5,7 @@ from the committed files alone. Numbers are meaningless; the plumbing is what is
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,3 +78,42 @@ def test_tradeoff_metrics_exact_values() -> None:
     assert got["both@1"] == 0.0
     assert got["both@2"] == pytest.approx(1 / 6)
     assert got["both@4"] == pytest.approx(1.0)
+
+
+def test_paired_rows_exact_values() -> None:
+    """The paired section on two hand-made methods over two mazes: VPO answers reach the exit with different
+    trade-offs, GRPO's repeat one route; the differences are the hand-computed means (one seed each, so the
+    interval is over the two mazes) and the one-chain metrics read consecutive answers as chains."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import torch
+    from maze_report import chain_metrics, exit_diversity, paired_rows
+
+    dims = ["exit", "gold", "diamond", "safety"]
+    gold, diamond, fail = [1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]
+    prompt = {"rewards": [gold, diamond, fail], "present": [True, True, False]}
+    assert exit_diversity(prompt, dims) == 2.0  # one exit pair, L1 |1-0| + |0-1|
+    assert math.isnan(exit_diversity({"rewards": [gold, fail], "present": [True, True]}, dims))
+    w = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])  # [K=2, D]
+    # one chain [gold, diamond, fail]: best f .75; w1: max 1, w2: max .5 -> E_w max .75
+    assert chain_metrics(prompt, w) == {"chain_best": 0.75, "chain_ew_max": 0.75}
+
+    def report(label: str, estimator: str, rows: list[list[list[float]]]) -> dict:
+        best = [[max(sum(r) / 4 for r in rs)] * 3 for rs in rows]
+        return {"label": label, "estimator": estimator, "m": 3, "n": 3, "dim_names": dims, "prompts": [
+            {"id": f"p{i}", "rewards": rs, "present": [True] * 3, "best_at_k": best[i],
+             "pairwise_l1_diversity": 1.0 if estimator == "vpo" else 0.0, "expected_best_weighted": 0.5}
+            for i, rs in enumerate(rows)]}
+
+    groups = {"VPO": [report("vpo-s0", "vpo", [[gold, diamond, fail], [gold, gold, fail]])],
+              "GRPO": [report("grpo-s0", "grpo", [[gold, gold, gold], [fail, fail, fail]])]}
+    lines = paired_rows(groups, num_draws=200)
+    row = next(line for line in lines if line.startswith("| VPO - GRPO"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # best@1: VPO .75 on both mazes, GRPO .75 and 0 -> +.375, interval over the two mazes [0, .75]
+    assert cells[2] == "0.375 [0.000, 0.750]"
+    assert len(cells) == 8  # pool of 3: best@1 is the only best@k column
+    assert cells[3] == "1.000 [1.000, 1.000]"  # diversity 1 vs 0 on both mazes
+    # exit diversity: VPO 2.0 (maze 0) and 0.0 (two equal gold routes, maze 1) -> 1.0; GRPO 0.0 and NaN -> 0.0
+    assert cells[4].startswith("1.000 [")
+    assert cells[5] == "0.000 [0.000, 0.000]"  # E_w best over the pool: .5 on both sides
+    assert cells[6] == "0.375 [0.000, 0.750]"  # chain best f: VPO .75 and .75, GRPO .75 and 0

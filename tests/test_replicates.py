@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vpo_lightning.commands.evaluate import FORMAT
-from vpo_lightning.commands.replicates import bootstrap_interval, main, parse_group, prompt_values
+from vpo_lightning.commands.replicates import bootstrap_interval, main, paired_difference, parse_group, prompt_values
 
 
 def _report(label: str, best: dict[str, list[float]], estimator: str = "vpo", tokens: int | None = 100) -> dict:
@@ -47,6 +47,25 @@ def test_bootstrap_interval_on_hand_checkable_inputs() -> None:
     assert all(math.isnan(x) for x in bootstrap_interval(torch.full((1, 2), math.nan, dtype=torch.float64)))
     with pytest.raises(ValueError, match="seeds, prompts"):
         bootstrap_interval(torch.zeros(3))
+
+
+def test_paired_difference_pairs_the_prompts() -> None:
+    """Prompts vary a lot (0 to 0.9) but a is b + 0.1 on every prompt: the paired interval is exactly [0.1, 0.1],
+    where two separate intervals would overlap widely."""
+    b = torch.tensor([[0.0, 0.3, 0.6, 0.9], [0.0, 0.3, 0.6, 0.9]], dtype=torch.float64)
+    diff, low, high = paired_difference(b + 0.1, b[:1])
+    assert (diff, low, high) == pytest.approx((0.1, 0.1, 0.1))
+    a_mean, a_low, a_high = bootstrap_interval(b + 0.1)
+    assert a_low < b.mean() < a_high  # unpaired: the two methods' intervals overlap
+    # seeds resampled per side: a's two seeds differ by 0.2 on every prompt, b's one seed sits between them
+    a = torch.stack([b[0], b[0] + 0.2])
+    diff, low, high = paired_difference(a, b[:1], seed=1)
+    assert diff == pytest.approx(0.1) and (low, high) == pytest.approx((0.0, 0.2))  # seed draws: 0, .1 or .2
+    assert paired_difference(a, b[:1], seed=1) == (diff, low, high)  # seeded
+    nan = torch.tensor([[math.nan, 1.0]], dtype=torch.float64)  # NaN prompts ignored on each side
+    assert paired_difference(nan, torch.tensor([[0.5, 0.5]], dtype=torch.float64)) == pytest.approx((0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_difference(torch.zeros(1, 3), torch.zeros(1, 4))
 
 
 def test_cli_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

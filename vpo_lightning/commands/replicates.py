@@ -77,6 +77,38 @@ def bootstrap_interval(values: Tensor, num_draws: int = 2000, level: float = 0.9
     return mean, low, high
 
 
+def paired_difference(a: Tensor, b: Tensor, num_draws: int = 2000, level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``a [Sa, P]`` minus mean of ``b [Sb, P]`` (NaN ignored), where column j of both is the same prompt,
+    and its paired percentile bootstrap interval: each draw takes P prompts with replacement, shared by both sides
+    (the pairing: a hard prompt is hard for both), and Sa and Sb seeds with replacement, each side its own.
+
+    Returns:
+        ``(difference, low, high)``; NaNs when either side is all NaN.
+
+    Raises:
+        ValueError: ``a`` and ``b`` are not non-empty matrices over the same number of prompts.
+    """
+    if a.dim() != 2 or b.dim() != 2 or not a.numel() or not b.numel() or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a and b must be non-empty [seeds, prompts] matrices over the same prompts, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    diff = float(a.nanmean() - b.nanmean())
+    if math.isnan(diff):
+        return diff, diff, diff
+    (sa, p), sb = a.shape, b.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(p, (num_draws, p), generator=g)  # [N, P], shared by both sides
+    seeds_a = torch.randint(sa, (num_draws, sa), generator=g)  # [N, Sa]
+    seeds_b = torch.randint(sb, (num_draws, sb), generator=g)  # [N, Sb]
+    draw_a = a[seeds_a[:, :, None], prompts[:, None, :]].reshape(num_draws, -1).nanmean(dim=1)  # [N]
+    draw_b = b[seeds_b[:, :, None], prompts[:, None, :]].reshape(num_draws, -1).nanmean(dim=1)  # [N]
+    stats = draw_a - draw_b
+    stats = stats[~stats.isnan()]
+    tail = (1.0 - level) / 2
+    low, high = torch.quantile(stats, torch.tensor([tail, 1.0 - tail], dtype=stats.dtype)).tolist()
+    return diff, low, high
+
+
 def _cell(interval: tuple[float, float, float]) -> str:
     mean, low, high = interval
     return "-" if math.isnan(mean) else f"{mean:.3f} [{low:.3f}, {high:.3f}]"

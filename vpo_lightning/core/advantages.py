@@ -12,8 +12,8 @@ weights live on the real dimensions only (a Dirichlet draw restricted to a subse
 is exactly Dirichlet over that subset). ``dim_mask=None`` means every dimension is real.
 
 Normalisation follows the reference (``verl/verl/trainer/ppo/core_algos.py``): VPO's and the weighted baselines'
-group z-norm use the population std (ddof 0, VPO-SPEC section 3); GRPO, Multi-RLVR, max@k and GDPO's per-dimension step use the
-sample std (ddof 1); GDPO's batch whitening is token-weighted.
+group z-norm use the population std (ddof 0, VPO-SPEC section 3); GRPO, Multi-RLVR, max@k and GDPO's per-dimension
+step use the sample std (ddof 1); GDPO's batch whitening is token-weighted.
 """
 
 from __future__ import annotations

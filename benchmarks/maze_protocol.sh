@@ -21,7 +21,10 @@
 # cores], RESULTS_REPO [.: the checkout that records results; the main checkout when running from an experiment
 # checkout], RESULTS_DIR [docs/results/maze], COMMIT [1], PREFIX [maze5: runs checkpoints/$PREFIX-<method>-s<seed>],
 # MAX_STEPS [the config's], EXTRA_FIT [more `vpo fit` arguments], EXTRA_EVAL [more `vpo eval` arguments],
-# PY [.venv/bin/python if present, else python].
+# PY [.venv/bin/python if present, else python]. Issue 50 (docs/EXPERIMENTS.md "The maze, settled"): DATA_SEED [$SEED:
+# the run seed also sets the prompt order; issue 38's runs used 0], LR [the config's model.optim.lr], STEP [last: the
+# adapter to evaluate, e.g. 40 for checkpoints/<run>/adapters/step=40, the checkpoint a validation rule chose],
+# SAVE_ADAPTER [1: the evaluated adapter's weights, config and card are recorded beside eval.json, under adapter/].
 #
 # Smoke run on the random tiny model (numbers meaningless, a few minutes): see tests/test_maze_protocol.py.
 set -euo pipefail
@@ -37,7 +40,10 @@ if [[ "${1:-}" == report ]]; then
   midpoint=()  # the post-hoc step-50 evaluations, where they exist
   [[ -d "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}" ]] \
     && midpoint=(--midpoint "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}")
-  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" "${midpoint[@]}" \
+  sweeps=()  # issue 50's checkpoint sweeps (benchmarks/maze_checkpoints.py), where they exist
+  [[ -d "$RESULTS_REPO/${CHECKPOINTS_DIR:-docs/results/maze-settled/checkpoints}" ]] \
+    && sweeps=(--checkpoints "$RESULTS_REPO/${CHECKPOINTS_DIR:-docs/results/maze-settled/checkpoints}")
+  exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" "${midpoint[@]}" "${sweeps[@]}" \
     --coldstart "$RESULTS_REPO/${COLDSTART_DIR:-docs/results/maze-coldstart}" --out "$RESULTS_REPO/docs/results_maze.md"
 fi
 
@@ -49,6 +55,11 @@ PROMPTS=${PROMPTS:-50}
 TEMPERATURE=${TEMPERATURE:-0.7}
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-256}
 THREADS=${THREADS:-1}
+DATA_SEED=${DATA_SEED:-$SEED}
+STEP=${STEP:-last}
+SAVE_ADAPTER=${SAVE_ADAPTER:-1}
+LR_ARG=()
+[[ -n "${LR:-}" ]] && LR_ARG=(--model.optim.lr "$LR")
 COMMIT=${COMMIT:-1}
 PREFIX=${PREFIX:-maze5}
 read -r -a FIT_EXTRA <<< "${EXTRA_FIT:-}"
@@ -63,7 +74,7 @@ esac
 [[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config configs/maze5_sft.yaml" >&2; exit 2; }
 NAME="${METHOD}-s$SEED"
 RUN="$PREFIX-${METHOD//_/-}-s$SEED"
-EVAL_DIR="checkpoints/$PREFIX-eval/$NAME"
+EVAL_DIR="checkpoints/$PREFIX-eval/$NAME$([[ "$STEP" == last ]] || echo "-step$STEP")"
 TIMES="checkpoints/$PREFIX-eval/$NAME.times.tsv"
 mkdir -p "checkpoints/$PREFIX-eval"
 
@@ -86,12 +97,16 @@ if [[ "$METHOD" != sft_* ]]; then
     echo "=== train $RUN ($CONFIG, seed $SEED, from step $steps of $max_steps, $THREADS thread(s))"
     t0=$SECONDS
     vpo fit --config "$CONFIG" --run_name "$RUN" --seed_everything "$SEED" --rollout.seed "$SEED" \
-      --trainer.max_steps "$max_steps" --model.model.adapter "$SFT_ADAPTER" "${resume[@]}" "${FIT_EXTRA[@]}"
+      --data.seed "$DATA_SEED" "${LR_ARG[@]}" --trainer.max_steps "$max_steps" --model.model.adapter "$SFT_ADAPTER" \
+      "${resume[@]}" "${FIT_EXTRA[@]}"
     printf 'train\t%s\t%s\t%s\n' "$RUN" "$steps" $((SECONDS - t0)) >> "$TIMES"
     rm -rf "$EVAL_DIR"  # an evaluation of the run before this training is stale
   fi
-  EVAL_ARGS=(--adapter "checkpoints/$RUN/adapters/last")
+  ADAPTER="checkpoints/$RUN/adapters/$([[ "$STEP" == last ]] && echo last || echo "step=$STEP")"
+  [[ -d "$ADAPTER" ]] || { echo "STEP=$STEP: $ADAPTER does not exist (checkpoints every 10 steps)" >&2; exit 2; }
+  EVAL_ARGS=(--adapter "$ADAPTER")
 else
+  ADAPTER=$SFT_ADAPTER
   EVAL_ARGS=(--config "$CONFIG" --set "model.model.adapter=$SFT_ADAPTER")
 fi
 
@@ -111,9 +126,13 @@ cp "$TIMES" "$OUT/times.tsv"
 if [[ "$METHOD" != sft_* ]]; then
   "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
   "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
-  sha256sum "checkpoints/$RUN/adapters/last/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
-else
-  sha256sum "$SFT_ADAPTER/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
+fi
+sha256sum "$ADAPTER/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
+if [[ "$SAVE_ADAPTER" == 1 && "$METHOD" != sft_* ]]; then  # the cold start's adapter is committed once, by hand
+  mkdir -p "$OUT/adapter"
+  for f in adapter_model.safetensors adapter_config.json vpo_adapter.json README.md; do
+    [[ -f "$ADAPTER/$f" ]] && cp "$ADAPTER/$f" "$OUT/adapter/$f"
+  done
 fi
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
 echo "=== recorded $OUT"

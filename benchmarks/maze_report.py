@@ -289,7 +289,8 @@ def midpoint_rows(folder: Path) -> list[str]:
     return lines + summary_table(groups, best_at_k_ks(groups)) + [""] + tradeoff_rows(groups, heading=False)
 
 
-def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Path | None = None) -> None:
+def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Path | None = None,
+           checkpoints: Path | None = None) -> None:
     from vpo_lightning.commands.replicates import best_at_k_bands, plot_bands, summary_table
 
     runs, groups = load_groups(results)
@@ -301,6 +302,10 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
         plot = out.with_name(out.stem + "_best_at_k.png")
         plot_bands(best_at_k_bands(groups), plot, "Maze 5x5 (test split): best@k, 95% intervals over prompts and seeds")
         lines += ["", f"![best@k]({plot.name})", ""] + paired_rows(groups) + tradeoff_rows(groups)
+    if checkpoints is not None:  # issue 50: the step-size choice on validation and the diagnosis
+        from maze_checkpoints import diagnosis_rows, selection_rows
+
+        lines += selection_rows(checkpoints) + diagnosis_rows(checkpoints)
     if midpoint is not None:
         lines += midpoint_rows(midpoint)
     if coldstart is not None:
@@ -339,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", type=Path, help="the committed results folder (docs/results/maze)")
     p.add_argument("--coldstart", type=Path, default=None, help="the committed cold-start folder (its gate table)")
     p.add_argument("--midpoint", type=Path, default=None, help="a folder of step-50 evaluations (a post-hoc section)")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a folder of checkpoint sweeps (benchmarks/maze_checkpoints.py): the selection and diagnosis")
     p.add_argument("--out", type=Path, default=Path("docs/results_maze.md"))
     args = p.parse_args(argv)
     if args.positions:
@@ -346,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.curves:
         print(json.dumps(curves(args.curves)))
     elif args.results:
-        report(args.results, args.out, args.coldstart, args.midpoint)
+        report(args.results, args.out, args.coldstart, args.midpoint, args.checkpoints)
     else:
         p.error("give --positions, --curves or --results")
     return 0

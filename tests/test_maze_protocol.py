@@ -56,6 +56,15 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
             == [["train", f"{prefix}-vpo-s0", "0"], ["train", f"{prefix}-vpo-s0", "1"]]
         pos = json.loads((run / "positions.json").read_text())
         assert pos["m"] == 3 and len(pos["parse_rate"]) == 3 and pos["chains"] == 2  # 2 prompts x 1 chain of 3
+        assert (run / "adapter" / "adapter_model.safetensors").exists()  # the evaluated adapter is recorded
+        _run([sys.executable, "benchmarks/maze_checkpoints.py", "--run", f"checkpoints/{prefix}-vpo-s0", "--config",
+              "configs/maze5.yaml", "--coldstart", str(adapter), "--steps", "0", "--n", "3", "--val_prompts", "2",
+              "--diag_prompts", "2", "--max_new_tokens", "16", "--diagnose", "--extra_eval", TINY_EVAL,
+              "--out", str(tmp_path / "ck.json")], env, ROOT)
+        rows = json.loads((tmp_path / "ck.json").read_text())["rows"]
+        assert [(r["set"], r["temperature"]) for r in rows] == [("val", 0.7), ("val16", 0.7), ("val16", 1.0),
+                                                                 ("seen", 0.7), ("seen", 1.0)]
+        assert all(r["step"] == 0 and r["prompts"] == 2 and 0 <= r["exit_rate"] <= 1 for r in rows)
         log = subprocess.run(["git", "log", "--format=%s"], cwd=results, capture_output=True, text=True).stdout
         assert log.count("maze results: vpo-s0") == 2  # the first result, then the resumed run's
         report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
@@ -117,3 +126,50 @@ def test_paired_rows_exact_values() -> None:
     assert cells[4].startswith("1.000 [")
     assert cells[5] == "0.000 [0.000, 0.000]"  # E_w best over the pool: .5 on both sides
     assert cells[6] == "0.375 [0.000, 0.750]"  # chain best f: VPO .75 and .75, GRPO .75 and 0
+
+
+def test_chain_best_at_is_the_unbiased_best_of_c_chains() -> None:
+    """Chains whose best answers score 0, .5, 1: best of 1 chain = their mean, best of 2 = mean of the pair maxima
+    (.5, 1, 1), best of all 3 = 1; more chains than there are is undefined."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from maze_checkpoints import chain_best_at
+
+    assert chain_best_at([1.0, 0.0, 0.5], 1) == pytest.approx(0.5)
+    assert chain_best_at([1.0, 0.0, 0.5], 2) == pytest.approx(2.5 / 3)
+    assert chain_best_at([1.0, 0.0, 0.5], 3) == pytest.approx(1.0)
+    assert math.isnan(chain_best_at([1.0], 2))
+
+
+def test_the_step_size_rule_and_its_tables(tmp_path: Path) -> None:
+    """docs/EXPERIMENTS.md's rule: the highest validation best@24 after step 0; within 0.005 of it the smaller lr,
+    then the earlier step. The selection table marks the choice; the diagnosis table reads the seen/val16 rows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from maze_checkpoints import choose, diagnosis_rows, selection_rows
+
+    def sweep(scores: dict[int, float], diagnose: bool = False) -> dict:
+        rows = [{"step": s, "set": "val", "temperature": 0.7, "best@24": v, "chain_ew_max": 0.5, "exit_rate": 0.5,
+                 "kl": 0.01 * s} for s, v in scores.items()]
+        if diagnose:
+            rows += [{"step": s, "set": name, "temperature": t, "best@24": 0.6, "chain_ew_max": 0.7, "exit_rate": 0.4,
+                      "kl": 0.01 * s} for s in scores for name in ("val16", "seen") for t in (0.7, 1.0)]
+        return {"rows": rows}
+
+    # the cold start (step 0) is not a candidate even when it is the best
+    assert choose({1e-4: sweep({0: 0.9, 20: 0.60, 40: 0.62})}) == (1e-4, 40, 0.62)
+    # 2e-5 at step 60 is within 0.005 of 1e-4's best: the smaller lr wins; then the earlier of its tied steps
+    grid = {1e-4: sweep({0: 0.5, 20: 0.620, 40: 0.600}), 2e-5: sweep({0: 0.5, 40: 0.616, 60: 0.616, 80: 0.610})}
+    assert choose(grid) == (2e-5, 40, 0.616)
+    # one point more than the tie: the larger lr
+    grid[1e-4] = sweep({0: 0.5, 20: 0.622})
+    assert choose(grid)[:2] == (1e-4, 20)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        choose({1e-4: sweep({0: 0.5})})
+
+    (tmp_path / "vpo-lr0.0001-s0.json").write_text(json.dumps(sweep({0: 0.5, 20: 0.622}, diagnose=True)))
+    (tmp_path / "vpo-lr2e-05-s0.json").write_text(json.dumps(sweep({0: 0.5, 40: 0.616})))
+    table = selection_rows(tmp_path)
+    assert "| vpo | 0.0001 | 0.500 | 0.622 | - | step 20 |" in table
+    assert "| vpo | 2e-05 | 0.500 | - | 0.616 |  |" in table
+    diag = diagnosis_rows(tmp_path)
+    assert "| vpo-lr0.0001-s0 | 20 | 0.200 | 0.600 / 0.700 / 0.400 | 0.600 / 0.700 / 0.400 |" in "\n".join(diag)
+    assert not any("2e-05" in line for line in diag)  # only the diagnosed run

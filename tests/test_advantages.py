@@ -90,6 +90,13 @@ def test_multi_rlvr_sums_every_present_row_with_the_sample_std():
     # two chains: ddof 1 gives +-1/sqrt(2) (ddof 0 would give +-1)
     two = torch.tensor([[[row, row], [row, [0.0] * 4]]])
     torch.testing.assert_close(multi_rlvr(two), torch.tensor([[1.0, -1.0]]) / math.sqrt(2), atol=ATOL, rtol=0)
+    # tool use / MuSiQue (the reference's dedup_by_vector): an answer whose vector repeats an earlier present
+    # answer's counts 0, so chain 0 sums .5 like chain 1; chain 2 [row, other, row] sums .5 + .25
+    other = [1.0, 0.0, 0.0, 0.0]
+    three = torch.tensor([[[row, row, row], [row, row, row], [row, other, row]]])
+    # sums [.5, .5, .75]: mean 7/12, deviations [-1/12, -1/12, 1/6], sample variance (1 + 1 + 4) / 144 / 2 = 1/48
+    expected = torch.tensor([[-1 / 12, -1 / 12, 1 / 6]]) / math.sqrt(1 / 48)
+    torch.testing.assert_close(multi_rlvr(three, mask, vector_repeats=True), expected, atol=ATOL, rtol=0)
 
 
 def test_random_weight_grpo_hand_computed_and_sampling():

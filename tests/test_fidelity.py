@@ -112,3 +112,15 @@ def test_multi_rlvr_counts_different_routes_that_share_a_reward_vector() -> None
     # sums 3 f and f: two chains, sample std |2 f| / sqrt(2) -> advantages +-1/sqrt(2)
     torch.testing.assert_close(multi_rlvr(rewards, mask), torch.tensor([[1.0, -1.0]]) / 2**0.5, atol=1e-5, rtol=0)
     assert f > 0
+
+
+def test_what_makes_two_answers_the_same_is_the_tasks_as_in_the_reference() -> None:
+    """The reference de-duplicates a maze chain by its routes (``dedup_routes``) and a tool-use or MuSiQue chain by
+    reward vectors (``dedup_by_vector``); the protocol carries the task's rule to Multi-RLVR."""
+    from vpo_lightning.core.protocol import ChainProtocol
+
+    maze = ChainProtocol(["maze"], "multi_rlvr", 3, tag_family="route")
+    tools = ChainProtocol(["format", "tool_name", "arg_key", "arg_value"], "multi_rlvr", 3, tag_family="response")
+    musique = ChainProtocol(["musique"], "multi_rlvr", 3)
+    assert maze.answer_key is not None and not maze.vector_repeats
+    assert tools.answer_key is None and tools.vector_repeats and musique.vector_repeats

@@ -303,19 +303,27 @@ def grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None 
 
 def multi_rlvr(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None,
                num_weights: int = 100, alpha: float = 1.0, eps: float = 1e-6,
-               generator: torch.Generator | None = None, dim_mask: Tensor | None = None) -> Tensor:
-    """Multi-RLVR as the reference scores it: per chain, the sum of the fixed scalar f over its present candidates,
-    then GRPO's group z-norm with the sample std (ddof 1). ``rewards [B, G, m, D] -> [B, G]``.
+               generator: torch.Generator | None = None, dim_mask: Tensor | None = None,
+               vector_repeats: bool = False) -> Tensor:
+    """Multi-RLVR as the reference scores it: per chain, the sum of the fixed scalar f over its distinct present
+    answers, then GRPO's group z-norm with the sample std (ddof 1). ``rewards [B, G, m, D] -> [B, G]``.
 
-    Repeated answers are de-duplicated *before* this function, by the answer itself (the rollout drops a candidate
-    whose ``answer_key``, e.g. the maze's move list, repeats an earlier one of the chain: the reference's
-    ``dedup_routes``), and arrive here absent, like unparsed ones: an absent candidate counts 0 (the reference's
-    zero padding to m). Two *different* answers that share a reward vector both count, as in the reference's
-    ``score_multi``; nothing here looks at reward-vector equality. The weight arguments are unused.
+    What makes two answers of a chain "the same" is the task's, as in the reference: the maze compares the answers
+    themselves (``dedup_routes``: the rollout drops a candidate whose ``answer_key`` repeats an earlier one, so it
+    arrives here absent), tool use and MuSiQue compare reward vectors (``dedup_by_vector``: ``vector_repeats=True``,
+    set by the task's rewards, counts a present answer 0 when its vector over the real dimensions equals an earlier
+    present answer's). Absent answers count 0 (the reference's zero padding to m). The weight arguments are unused.
     """
     rewards, mask = _check_rewards(rewards, mask)
     dim_mask = _check_dim_mask(dim_mask, rewards)
-    f = _f(_masked(_real_only(rewards, dim_mask), mask), dim_mask)  # [B, G, m]; absent candidates 0
+    rewards = _real_only(rewards, dim_mask)
+    present = mask if mask is not None else torch.ones(rewards.shape[:3], dtype=torch.bool, device=rewards.device)
+    if vector_repeats:
+        m = rewards.shape[2]
+        same = (rewards.unsqueeze(3) == rewards.unsqueeze(2)).all(dim=-1)  # [B, G, m, m]: row j equals row i
+        earlier = torch.ones(m, m, dtype=torch.bool, device=rewards.device).tril(-1)  # [m, m]: i < j
+        present = present & ~(same & earlier & present.unsqueeze(2)).any(dim=-1)  # [B, G, m]
+    f = _f(rewards, dim_mask) * present.to(rewards.dtype)  # [B, G, m]; absent and repeated answers 0
     return _znorm(f.sum(dim=-1), dim=1, eps=eps, correction=1)  # [B, G]
 
 

@@ -63,6 +63,8 @@ class ChainProtocol:
         self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
         # what makes two answers of one chain the same (the first reward that says so), looked up once
         self.answer_key = next((e.answer_key for e in self.reward_vector.entries if e.answer_key is not None), None)
+        # Multi-RLVR's repeats by reward vector (the reference's dedup_by_vector: tool use, MuSiQue)
+        self.vector_repeats = any(e.vector_repeats for e in self.reward_vector.entries)
 
     @property
     def dim_names(self) -> list[str]:

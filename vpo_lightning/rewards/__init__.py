@@ -68,6 +68,7 @@ class RewardEntry:
     real_dims: Callable[[Mapping[str, Any]], int] | None = None  # real dims per record (None: all of them)
     descriptions: tuple[str, ...] | None = None  # one phrase per dim, shown by goal-conditioned GRPO (None: names)
     answer_key: Callable[[str], Any] | None = None  # when two answers of one chain are the same (count once)
+    vector_repeats: bool = False  # two answers of one chain with one reward vector are the same (Multi-RLVR)
     batch: bool = False  # TRL signature fn(prompts, completions, **kwargs): one call per batch
 
 
@@ -110,7 +111,8 @@ def entry_for(name: str, fn: Callable[..., Any]) -> RewardEntry:
     for entry in REWARDS.values():  # registered by its module under another name: keep its declared dims
         if entry.fn is fn:
             return RewardEntry(name, fn, entry.dims, entry.parallel, real_dims=entry.real_dims,
-                               descriptions=entry.descriptions, answer_key=entry.answer_key)
+                               descriptions=entry.descriptions, answer_key=entry.answer_key,
+                               vector_repeats=entry.vector_repeats)
     dims = getattr(fn, "dims", None)
     if dims is not None:
         if isinstance(dims, str) or not dims or not all(isinstance(d, str) for d in dims):
@@ -157,6 +159,7 @@ def register(
     name: str, *, dims: Sequence[str] | None = None, parallel: bool = False,
     f_weights: Sequence[float] | None = None, real_dims: Callable[[Mapping[str, Any]], int] | None = None,
     descriptions: Sequence[str] | None = None, answer_key: Callable[[str], Any] | None = None,
+    vector_repeats: bool = False,
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. ``dims`` declares a vector reward's dimension names;
     ``f_weights`` (one non-negative weight per dimension) makes the task's scalar f, used by ``vpo eval`` for
@@ -164,7 +167,9 @@ def register(
     ``real_dims(sample)`` gives the number of real leading dimensions for a record (the rest is padding);
     ``descriptions`` (one phrase per dimension) is what goal-conditioned GRPO's prompt calls each objective;
     ``answer_key`` (a hashable per answer, or None) says when two answers of one training chain are the same:
-    repeats count once (absent, scoring 0), as the reference's maze reward does (see chains.distinct)."""
+    repeats count once (absent, scoring 0), as the reference's maze reward does (see chains.distinct);
+    ``vector_repeats`` says that two answers of one chain with the same reward vector are the same answer for
+    Multi-RLVR's sum (the reference's ``dedup_by_vector``: tool use, MuSiQue)."""
     names = tuple(dims) if dims else (name,)
     if f_weights is not None and (len(f_weights) != len(names) or min(f_weights) < 0 or not sum(f_weights) > 0):
         raise ValueError(f"reward {name!r}: f_weights needs {len(names)} non-negative weights with a positive sum")
@@ -178,7 +183,8 @@ def register(
         if name in REWARDS and REWARDS[name].fn is not fn:
             raise ValueError(f"reward {name!r} is registered twice ({REWARDS[name].fn.__module__} and {fn.__module__})")
         REWARDS[name] = RewardEntry(name, fn, names, parallel, tuple(map(float, f_weights)) if f_weights else None,
-                                    real_dims, tuple(descriptions) if descriptions else None, answer_key)
+                                    real_dims, tuple(descriptions) if descriptions else None, answer_key,
+                                    vector_repeats=vector_repeats)
         return fn
 
     return wrap

@@ -262,6 +262,8 @@ class RolloutCallback(L.Callback):
             extra["dim_mask"] = self.protocol.dim_mask(records)  # [B, D]
         if self.estimator == "max_at_k":
             extra["k"] = self.max_at_k_k
+        if self.estimator == "multi_rlvr":
+            extra["vector_repeats"] = self.protocol.vector_repeats
         if self.estimator == "gdpo":
             extra["token_counts"] = torch.tensor([len(c) for c in completion_ids],
                                                  dtype=torch.float32).view(mask.shape[:2])  # [B, G]

@@ -17,10 +17,10 @@ from vpo_lightning.tasks.tooluse.calls import (
     tooluse_rewards,
 )
 
-register("format", descriptions=["Producing a well-formed structured response"])(format_reward)
-register("tool_name", descriptions=["Calling the right tools"])(tool_name_reward)
-register("arg_key", descriptions=["Filling in the right argument keys"])(arg_key_reward)
-register("arg_value", descriptions=["Using the right argument values"])(arg_value_reward)
+register("format", descriptions=["Producing a well-formed structured response"], vector_repeats=True)(format_reward)
+register("tool_name", descriptions=["Calling the right tools"], vector_repeats=True)(tool_name_reward)
+register("arg_key", descriptions=["Filling in the right argument keys"], vector_repeats=True)(arg_key_reward)
+register("arg_value", descriptions=["Using the right argument values"], vector_repeats=True)(arg_value_reward)
 
 __all__ = ["arg_key_reward", "arg_value_reward", "format_reward", "gold_calls", "parse_output", "tool_name_reward",
            "tooluse_rewards"]

@@ -89,3 +89,18 @@ def test_planner_checks_vllm_kv_cache_holds_a_sequence(capsys: pytest.CaptureFix
                  "--set", "rollout.engine.init_args.gpu_memory_utilization=0.25"])
     err = capsys.readouterr().err
     assert rc == 1 and "less than one full sequence" in err and "gpu_memory_utilization" in err
+
+
+def test_fit_refuses_the_old_eureqa_budget_before_loading(tmp_path, monkeypatch, capsys) -> None:
+    """1024 prompt + 2048 new tokens against max_model_len 2048 (EUREQA as it was): refused by `vpo fit` up front,
+    naming the keys, on any machine (before the model loads)."""
+    from vpo_lightning.launcher import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((SystemExit, ValueError)) as err:
+        main(["fit", "--config", str(REPO / "configs" / "eureqa.yaml"),
+              "--rollout.engine.init_args.max_model_len=2048"])
+    text = str(err.value) + capsys.readouterr().err
+    assert "= 3072 tokens do not fit in rollout.engine.init_args.max_model_len=2048" in text
+    assert "--rollout.engine.init_args.max_model_len to at least 3072" in text
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").rglob("*.ckpt"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.machinery
 import logging
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -174,10 +175,13 @@ def test_kv_cache_is_logged_and_must_hold_one_sequence(monkeypatch, tmp_path, ti
 def test_one_engine_per_rank_under_ddp(monkeypatch, tmp_path, tiny_policy):
     calls = _install_fake_vllm(monkeypatch)
     monkeypatch.setattr(engines, "_rank_and_world", lambda: (1, 2))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(key, "unset")  # restored after the test
     _engine(tmp_path).setup(_module(tiny_policy, device="cuda:1"))
     kwargs = next(c[1] for c in calls if c[0] == "LLM")
     assert kwargs["distributed_executor_backend"] == "external_launcher" and kwargs["seed"] == 1
     assert ("set_device", "cuda:1") in calls
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
 
 
 def test_lora_rank_rounds_up_to_what_vllm_accepts(tmp_path):

@@ -16,6 +16,7 @@ import gc
 import importlib.util
 import inspect
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -578,6 +579,10 @@ class VLLMEngine(Engine):
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # vLLM builds on the current device: this rank's, not cuda:0
         kwargs = self.engine_kwargs(module)
+        rank, world = _rank_and_world()
+        if world > 1:  # vLLM's external launcher reads the process group from these, as TRL sets them
+            local = device.index if device.type == "cuda" and device.index is not None else rank
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
         if "logprobs_mode" in _vllm_engine_args():
             kwargs["logprobs_mode"] = "processed_logprobs"  # after temperature, as the trainer's log-probs
             self.logprobs_processed = True

@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile $(LOCK) requirements/nodeps.txt
 	# the code sandbox's kernel isolation (bubblewrap), installed only when missing
 	command -v bwrap >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq && apt-get install -y -qq bubblewrap; }
+	# the CUDA lock needs a recent NVIDIA driver: refuse an older one before installing (says what to do)
+	test "$(FLAVOUR)" != cuda || requirements/check_cuda_driver.sh $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps $(PIP_EXTRA) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

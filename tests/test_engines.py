@@ -105,8 +105,9 @@ def test_vllm_adapter_export_includes_the_starting_adapter(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         torch.testing.assert_close(served(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="max_lora_rank=4: raise it to at least 6"):
-        VLLMEngine(adapter_dir=str(tmp_path / "low"), max_lora_rank=4).export_adapter(module)
+    assert VLLMEngine(adapter_dir=str(tmp_path / "ok"), max_lora_rank=4).export_adapter(module)  # 4 -> 8 >= 6
+    with pytest.raises(ValueError, match="max_lora_rank=1: raise it to at least 8"):  # 6 is no rank vLLM accepts
+        VLLMEngine(adapter_dir=str(tmp_path / "low"), max_lora_rank=1).export_adapter(module)
 
 
 def test_vllm_engine_without_vllm_says_how_to_fix():

@@ -27,6 +27,18 @@ def _check_report(out: Path) -> dict:
     for name in CUDA_CHECKS:  # every CUDA step is reported as skipped, with the reason
         assert checks[name]["status"] == "skipped" and "needs CUDA" in checks[name]["reason"], checks[name]
     assert checks["vllm_engine"]["status"] == "skipped" and "vLLM" in checks["vllm_engine"]["reason"]
+    # issue 55's steps come first: the driver, the dtypes after setup, the shipped 24 GB recipes' plans
+    names = [c["name"] for c in report["checks"]]
+    assert names[0] == "driver" and checks["driver"]["status"] == "skipped"
+    dtypes = [n for n in names if n.startswith("dtypes_")]
+    assert "dtypes_32-true_bf16" in dtypes and "dtypes_32-true_bf16_qlora" in dtypes
+    assert all(checks[n]["status"] == "skipped" and "needs CUDA" in checks[n]["reason"] for n in dtypes)
+    for stem in ("tooluse_qwen7b_qlora", "musique", "eureqa", "livecodebench"):
+        recipe = checks[f"recipe_{stem}"]
+        assert recipe["status"] == "pass", recipe
+        assert recipe["numbers"]["kv_tokens"] >= recipe["numbers"]["sequence_tokens"]
+        assert names.index(f"recipe_{stem}") < names.index("fit_tiny_bf16_lora")
+    assert names.index("vllm_engine") < names.index("fit_tiny_bf16_lora")
     for name in ("tests_default", "tests_slow"):
         assert checks[name]["status"] == "skipped" and checks[name]["reason"]
     assert checks["environment"]["status"] == "pass", checks["environment"]

@@ -23,13 +23,20 @@ What it counts (bytes, one device, training and rollout share it):
   final hidden states of the micro-batch;
 * the rollout: KV cache for ``B * G`` chains of the maximum length, the prefill's largest transient (the MLP of
   one layer over all prompts) and the sampler's ``[B * G, V]`` float32 buffers. vLLM instead reserves
-  ``gpu_memory_utilization`` of the card while awake; in sleep mode (level 1) its weights go to CPU RAM while
-  training and ~0.5 GiB stays;
+  ``gpu_memory_utilization`` of the card while awake, beside the trainer's resident state (vLLM's engine is a
+  second process with its own CUDA context, ~0.5 GiB that stays while it sleeps); in sleep mode (level 1) its
+  weights go to CPU RAM while training. Inside the reservation: vLLM's copy of the weights, its LoRA slots
+  (``max_lora_rank``, bf16), its profiling peak (``max_num_batched_tokens`` tokens through one layer, the 4-bit
+  dequantised weight, the sampler's ``[max_num_seqs, V]`` buffers), CUDA graphs and workspaces (assumed 1 GiB);
+  the rest is KV cache, which must hold one full sequence (``prompt + max_new_tokens``). ``VLLMEngine`` empties
+  the trainer's CUDA cache before each wake-up; without that the training step's cached blocks would stay
+  reserved and add to vLLM's (``Plan.trainer_cache_freed``);
 * a fixed CUDA context and allocator slack on a GPU; on a CPU, the moment of the model load (weights plus the
   memory-mapped checkpoint) when that is larger. Python, torch and Lightning themselves (~0.5 GiB RSS) are not
   counted on a CPU: compare with peak RSS minus a process that imported the same stack.
 
-Rollout and training do not overlap, so the peak is the resident state plus the larger of the two phases.
+Rollout and training do not overlap, so the peak is the resident state plus the larger of the two phases (which
+adds the two when the trainer's cache is not emptied before vLLM wakes).
 The estimate is checked against a measured CPU run in the README ("Speed and memory"); treat it as +-25 %.
 """
 
@@ -93,6 +100,8 @@ ACT_VALUES_PER_H, ACT_VALUES_PER_I = 7, 4  # saved values per token per layer (c
 HALF_ACT_FACTOR = 0.92  # bf16/fp16 activations relative to fp32 (LoRA inputs and norm statistics stay fp32)
 LOGPROB_BUFFERS = 3  # [chunk, V] float32 buffers alive at once in the chunked log-softmax backward
 DEFAULT_PROMPT_TOKENS = 1024  # when data.max_prompt_tokens is 0 (unbounded): say so in the table
+VLLM_PROCESS = 0.5 * GiB  # vLLM's engine process: its CUDA context and what stays while it sleeps (outside its budget)
+VLLM_GRAPHS_AND_WORKSPACES = 1.0 * GiB  # CUDA graphs, cuBLAS/NCCL workspaces inside the reservation (assumed)
 
 
 @dataclass
@@ -155,6 +164,11 @@ class Plan:
     vllm_sleep: bool
     accelerator: str
     vllm: bool = False  # the engine is a VLLMEngine (by class; a subclass counts)
+    vllm_max_model_len: int = 0
+    vllm_batched_tokens: int = 4096  # max_num_batched_tokens: vLLM's profiling peak runs this many tokens
+    vllm_max_seqs: int = 0  # max_num_seqs (B x G by default)
+    vllm_lora_rank: int = 0  # max_lora_rank as vLLM takes it (rounded up to a rank it accepts)
+    trainer_cache_freed: bool = True  # VLLMEngine empties the trainer's CUDA cache before each wake-up
     extra: dict = field(default_factory=dict)
 
 
@@ -186,7 +200,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
     """
     from vpo_lightning.commands.runs import run_settings
     from vpo_lightning.core.packing import packing_enabled
-    from vpo_lightning.generation.engines import VLLMEngine
+    from vpo_lightning.generation.engines import VLLMEngine, vllm_lora_rank
     from vpo_lightning.generation.models import resolve_dtype
 
     run = run_settings(cfg)
@@ -199,6 +213,7 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
             dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[
                 str(resolve_dtype("auto"))]
     is_vllm = issubclass(run.engine_class, VLLMEngine)
+    args = run.engine_args if is_vllm else {}
     plan = Plan(
         model=model.name,
         dtype=model.bnb_compute_dtype if model.load_in_4bit else dtype,
@@ -222,6 +237,10 @@ def plan_from_config(cfg: dict, for_gpu: bool = False) -> Plan:
         vllm_sleep=bool(run.engine_args.get("enable_sleep_mode", True)),
         accelerator=run.accelerator,
         vllm=is_vllm,
+        vllm_max_model_len=int(args.get("max_model_len") or 0),
+        vllm_batched_tokens=int(args.get("max_num_batched_tokens") or 4096),
+        vllm_max_seqs=int(args.get("max_num_seqs") or run.batch_size * run.group_size),
+        vllm_lora_rank=vllm_lora_rank(int(args.get("max_lora_rank") or 64)) if is_vllm else 0,
     )
     if plan.micro_batch_size < 1 or plan.logprob_chunk_size < 1:
         raise ValueError("model.optim.micro_batch_size and model.optim.logprob_chunk_size must be >= 1")
@@ -325,11 +344,15 @@ def estimate(plan: Plan, arch: Arch, device: str = "cuda") -> dict[str, Any]:
         train[f"packed attention mask + one layer's scores ({T} x {T})"] = T * T * (1 + arch.heads * 4)
     # ---- rollout phase
     N, S = plan.batch_size * plan.group_size, plan.prompt_tokens + plan.max_new_tokens
+    vllm: dict[str, float] = {}
     if plan.vllm:
+        rows["vLLM engine process (its CUDA context; what stays while vLLM sleeps)"] = VLLM_PROCESS
+        resident += VLLM_PROCESS
+        vllm = vllm_parts(plan, arch)
         roll = {f"vLLM reservation ({plan.vllm_utilization:.2f} of the card, while rolling out)": -1.0}
-        if plan.vllm_sleep:  # sleep level 1 offloads vLLM's weights to CPU RAM and drops its KV cache
-            train["vLLM residue while asleep (context, CUDA graphs)"] = 0.5 * GiB
-        else:
+        if not plan.trainer_cache_freed:  # the caching allocator keeps the training step's blocks reserved
+            roll["trainer's cached blocks of the training step (no empty_cache before wake-up)"] = -2.0
+        if not plan.vllm_sleep:  # sleep level 1 offloads vLLM's weights to CPU RAM and drops its KV cache
             train["vLLM reservation (no sleep mode)"] = -1.0  # filled in against the card size below
     else:
         kv = N * S * arch.layers * 2 * arch.kv_heads * arch.head_dim * wb
@@ -343,18 +366,68 @@ def estimate(plan: Plan, arch: Arch, device: str = "cuda") -> dict[str, Any]:
     # SmolLM2 fp32 weights with gradient checkpointing, where training itself needs less). On a GPU it is host RAM.
     load = 2 * (arch.params * wb if not plan.load_in_4bit else arch.linear_params * 0.516 + arch.other_params * wb)
     return {"resident": rows, "train": train, "rollout": roll, "overhead": overhead, "resident_total": resident,
-            "load_peak": load if device == "cpu" else 0.0, "lora_params": lora, "arch": arch, "plan": plan}
+            "load_peak": load if device == "cpu" else 0.0, "lora_params": lora, "arch": arch, "plan": plan,
+            "vllm": vllm}
+
+
+def kv_bytes_per_token(plan: Plan, arch: Arch) -> int:
+    """KV cache bytes of one token, all layers (keys and values in the compute dtype, as vLLM's default)."""
+    return arch.layers * 2 * arch.kv_heads * arch.head_dim * _BYTES[plan.dtype]
+
+
+def vllm_parts(plan: Plan, arch: Arch) -> dict[str, float]:
+    """What vLLM holds inside its reservation before the KV cache (bytes); the KV cache gets the rest."""
+    wb = _BYTES[plan.dtype]
+    if plan.load_in_4bit:
+        weights = arch.linear_params * 0.516 + arch.other_params * wb
+    else:
+        weights = arch.params * wb
+    # the LoRA slots: one adapter of max_lora_rank on every linear layer, in the compute dtype
+    slots = arch.layers * sum(plan.vllm_lora_rank * (a + b) for a, b in arch.linear_shapes().values()) * wb
+    tokens = plan.vllm_batched_tokens
+    # profiling: one layer's activations over max_num_batched_tokens tokens (gate/up/act of the MLP, q/k/v, the
+    # residual stream), the 4-bit weight dequantised for the prefill matmul, the sampler's [seqs, V] float32 buffers
+    act = tokens * (3 * arch.intermediate + 4 * arch.hidden) * wb
+    if plan.load_in_4bit:
+        act += max(a * b for a, b in arch.linear_shapes().values()) * 2 * wb  # gate_up is merged in vLLM
+    sampler = plan.vllm_max_seqs * arch.vocab * 4 * 2
+    return {"weights (vLLM's copy)": weights, f"LoRA slots (max_lora_rank {plan.vllm_lora_rank})": slots,
+            f"profiling peak ({tokens} batched tokens + sampler for {plan.vllm_max_seqs} sequences)": act + sampler,
+            "CUDA graphs and workspaces (assumed)": VLLM_GRAPHS_AND_WORKSPACES}
+
+
+def vllm_kv_check(est: dict[str, Any]) -> str:
+    """'' when vLLM's KV cache (``finalize``) holds one full sequence, else the error naming the knobs."""
+    plan = est["plan"]
+    if not plan.vllm:
+        return ""
+    need = plan.prompt_tokens + plan.max_new_tokens
+    if est["vllm_kv_tokens"] >= need:
+        return ""
+    return (f"vLLM's KV cache would hold {max(est['vllm_kv_tokens'], 0):,} tokens, less than one full sequence "
+            f"({plan.prompt_tokens} + {plan.max_new_tokens} = {need}): raise "
+            f"rollout.engine.init_args.gpu_memory_utilization (now {plan.vllm_utilization}), lower "
+            f"rollout.engine.init_args.max_num_batched_tokens (now {plan.vllm_batched_tokens}), or shorten the "
+            "sequences")
 
 
 def finalize(est: dict[str, Any], capacity: float) -> dict[str, Any]:
     """Fill the capacity-dependent rows (vLLM) and compute the peak."""
     plan = est["plan"]
+    reservation = plan.vllm_utilization * capacity
     for phase in ("train", "rollout"):
         for key, value in list(est[phase].items()):
-            if value < 0:
-                est[phase][key] = plan.vllm_utilization * capacity
+            if value == -1.0:
+                est[phase][key] = reservation
     est["train_total"] = sum(est["train"].values())
+    for key, value in list(est["rollout"].items()):
+        if value == -2.0:  # the training step's cached blocks, still reserved by the trainer's allocator
+            est["rollout"][key] = est["train_total"]
     est["rollout_total"] = sum(est["rollout"].values())
+    if plan.vllm:
+        kv = reservation - sum(est["vllm"].values())
+        est["vllm_kv_bytes"] = kv
+        est["vllm_kv_tokens"] = int(kv // kv_bytes_per_token(plan, est["arch"]))
     est["peak"] = max(est["resident_total"] + est["overhead"] + max(est["train_total"], est["rollout_total"]),
                       est["load_peak"])
     return est
@@ -437,6 +510,12 @@ def render(est: dict[str, Any], capacity: float, device: str, source: str) -> st
         row(f"{title} (not at the same time as the other phase){marker}", est[f"{phase}_total"])
         for label, value in est[phase].items():
             row("  " + label, value)
+        if phase == "rollout" and plan.vllm:  # what the reservation holds (not added again)
+            for label, value in est["vllm"].items():
+                row("      of which " + label, value)
+            seq = plan.prompt_tokens + plan.max_new_tokens
+            row(f"      of which KV cache: {max(est['vllm_kv_tokens'], 0):,} tokens = "
+                f"{max(est['vllm_kv_tokens'], 0) / seq:.1f} sequences of {seq}", est["vllm_kv_bytes"])
     if est["overhead"]:
         row("CUDA context + allocator slack", est["overhead"])
     if est["load_peak"]:
@@ -476,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     best, message = suggest(plan, arch, capacity, device, args.headroom)
     if best is None:
         print(f"\nvpo plan: {message}", file=sys.stderr)
+        return 1
+    kv_problem = vllm_kv_check(est)
+    if kv_problem:
+        print(f"\nvpo plan: {kv_problem}", file=sys.stderr)
         return 1
     fits = est["peak"] <= args.headroom * capacity
     print(f"\n{'fits' if fits else 'does NOT fit as configured'}: {est['peak'] / GiB:.2f} GiB of "

@@ -3,16 +3,20 @@
 ``TransformersEngine`` (the default) runs ``model.generate`` once per step for all B x G chains, on CPU or GPU.
 ``VLLMEngine`` (GPU only) imports vLLM lazily in ``setup``; it serves the policy's LoRA adapter through a
 ``LoRARequest`` and re-exports only the adapter after each optimizer step (never merging into a 4-bit base).
-The vLLM path has not been run on this project's CPU machines; see the README.
+The vLLM path has not been run on a GPU by this project: its calls are tested against a fake ``vllm`` module
+(tests/test_vllm_fake.py), written from how TRL's colocate mode drives vLLM; see the README.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import gc
 import importlib.util
 import inspect
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -53,8 +57,40 @@ class SamplingSettings:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+@dataclass(frozen=True)
+class RolloutShape:
+    """The largest rollout step of a run: B prompts of up to P tokens, G chains each of up to L new tokens.
+
+    Args:
+        batch_size: B, prompts per generate call (``data.batch_size``).
+        group_size: G, chains per prompt (``rollout.group_size``).
+        max_prompt_tokens: P (``data.max_prompt_tokens``; 0 = not bounded, prompts may be any length).
+        max_new_tokens: L (``rollout.sampling.max_new_tokens``).
+    """
+
+    batch_size: int
+    group_size: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+
+    @property
+    def chains(self) -> int:
+        return self.batch_size * self.group_size
+
+    @property
+    def sequence_tokens(self) -> int | None:
+        """P + L, the longest sequence a chain reaches (None when prompts are not bounded)."""
+        return self.max_prompt_tokens + self.max_new_tokens if self.max_prompt_tokens else None
+
+
 class Engine:
-    """Interface: ``setup`` once, ``generate`` each step, ``sync`` after each optimizer step."""
+    """Interface: ``prepare`` and ``setup`` once, ``generate`` each step, ``sync`` after each optimizer step."""
+
+    shape: RolloutShape | None = None
+
+    def prepare(self, shape: RolloutShape) -> None:
+        """Told, before ``setup``, the largest step the run asks for (engines that size buffers by it read it)."""
+        self.shape = shape
 
     def setup(self, module: Any) -> None:  # noqa: B027 - optional hook
         """Build heavy state (called by the rollout callback's setup hook, never in ``__init__``)."""
@@ -389,15 +425,65 @@ class TransformersEngine(Engine):
         return [trim_completion(r, eos, tok.pad_token_id) for r in out[:, ids.shape[1] :].tolist()]
 
 
+# vLLM accepts these LoRA ranks only (vllm.config.LoRAConfig.max_lora_rank); the README's `vllm serve` recipe too.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of rank ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"an adapter of rank {rank} is above the largest max_lora_rank vLLM accepts "
+                     f"({VLLM_LORA_RANKS[-1]}): lower model.lora.r")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 outside torch.distributed)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _vllm_engine_args() -> set[str]:
+    """The names ``vllm.LLM(**kwargs)`` accepts (the fields of vLLM's ``EngineArgs``), to use newer options only where
+    the installed vLLM has them."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return set()
+    return {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set()
+
+
+def kv_cache_tokens(llm: Any) -> int | None:
+    """Tokens vLLM's KV cache holds (GPU blocks x block size), or None where this vLLM version does not say."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "cache_config", None) or getattr(getattr(engine, "vllm_config", None), "cache_config",
+                                                               None)
+    blocks, block_size = getattr(config, "num_gpu_blocks", None), getattr(config, "block_size", None)
+    return int(blocks) * int(block_size) if blocks and block_size else None
+
+
 class VLLMEngine(Engine):
     """vLLM rollouts with the LoRA adapter served per request (GPU only; vLLM is imported in ``setup``).
 
+    Colocated with the trainer in one process, as TRL's ``vllm_mode="colocate"``: vLLM sleeps (level 1: weights to
+    CPU RAM, KV cache dropped) during the training step and wakes for each rollout, after the trainer's cached CUDA
+    blocks are handed back (``torch.cuda.empty_cache``), which vLLM could not use otherwise.
+
     Args:
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (the rest is for training).
-        max_model_len: longest prompt + completion vLLM must hold.
+        gpu_memory_utilization: fraction of the card vLLM may take while awake: its weights, LoRA slots, activation
+            peak and KV cache (``vpo plan`` shows what is left for the KV cache).
+        max_model_len: longest prompt + completion vLLM must hold; at least ``data.max_prompt_tokens`` +
+            ``rollout.sampling.max_new_tokens`` (checked in ``setup``).
         enable_sleep_mode: release vLLM's memory during the training step (``sleep``/``wake_up``).
         tensor_parallel_size: GPUs for tensor parallelism in the engine.
-        max_lora_rank: must be >= the adapter rank.
+        max_lora_rank: must be >= the adapter rank; rounded up to a value vLLM accepts (1, 8, 16, 32, 64, 128, 256,
+            320, 512).
+        max_num_batched_tokens: tokens per vLLM scheduler step (prefill chunk). vLLM sizes its activation peak by
+            it when profiling memory; 4096 as TRL (vLLM's larger default leaves less for the KV cache).
+        max_num_seqs: chains vLLM runs at once; None = B x G of the run (the rollout's chains, all at once).
         adapter_dir: where the adapter is exported for vLLM (default: a temporary directory).
     """
 
@@ -408,13 +494,18 @@ class VLLMEngine(Engine):
         enable_sleep_mode: bool = True,
         tensor_parallel_size: int = 1,
         max_lora_rank: int = 64,
+        max_num_batched_tokens: int = 4096,
+        max_num_seqs: int | None = None,
         adapter_dir: str | None = None,
     ) -> None:
         self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
         self.enable_sleep_mode, self.tensor_parallel_size = enable_sleep_mode, tensor_parallel_size
-        self.max_lora_rank, self.adapter_dir = max_lora_rank, adapter_dir
+        self.max_lora_rank, self.adapter_dir = vllm_lora_rank(max_lora_rank), adapter_dir
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.llm: Any = None
         self.lora_version = 0
+        self.asleep = False
+        self.logprobs_processed = False  # whether vLLM reports log-probs after temperature (logprobs_mode)
         self._tmp: str | None = None
 
     def engine_kwargs(self, module: Any) -> dict[str, Any]:
@@ -429,10 +520,51 @@ class VLLMEngine(Engine):
             "tensor_parallel_size": self.tensor_parallel_size,
             "dtype": str(resolve_dtype(settings.dtype)).split(".")[-1],
             "enable_prefix_caching": True,  # the G chains of a prompt share its prefix
+            "max_num_batched_tokens": self.max_num_batched_tokens,
         }
+        seqs = self.max_num_seqs or (self.shape.chains if self.shape is not None else None)
+        if seqs:
+            kwargs["max_num_seqs"] = seqs
         if settings.load_in_4bit:
             kwargs["quantization"] = "bitsandbytes"
+        rank, world = _rank_and_world()
+        if world > 1:  # one engine per rank, inside the trainer's process group (as TRL's colocate mode)
+            kwargs.update(distributed_executor_backend="external_launcher", seed=rank // self.tensor_parallel_size)
         return kwargs
+
+    def check_lengths(self) -> None:
+        """Refuse a budget vLLM would cut short: prompt + new tokens must fit in ``max_model_len``."""
+        shape = self.shape
+        if shape is None:
+            return
+        if shape.max_new_tokens >= self.max_model_len or (shape.sequence_tokens or 0) > self.max_model_len:
+            need = shape.sequence_tokens or shape.max_new_tokens + 1
+            raise ValueError(
+                f"data.max_prompt_tokens ({shape.max_prompt_tokens}) + rollout.sampling.max_new_tokens "
+                f"({shape.max_new_tokens}) = {need} tokens do not fit in rollout.engine.init_args.max_model_len="
+                f"{self.max_model_len}: vLLM would stop chains early. Raise max_model_len to at least {need} (within "
+                "the model's context), or lower data.max_prompt_tokens or rollout.sampling.max_new_tokens")
+        if not shape.max_prompt_tokens:
+            log.warning("data.max_prompt_tokens is 0 (unbounded): a prompt longer than %d tokens leaves less than "
+                        "rollout.sampling.max_new_tokens=%d for its chains (vLLM's max_model_len=%d)",
+                        self.max_model_len - shape.max_new_tokens, shape.max_new_tokens, self.max_model_len)
+
+    def check_kv_cache(self) -> None:
+        """Log the KV cache vLLM reserved; refuse one that cannot hold a single full sequence."""
+        tokens = kv_cache_tokens(self.llm)
+        seq = (self.shape.sequence_tokens if self.shape is not None else None) or self.max_model_len
+        if tokens is None:
+            log.warning("vLLM did not report its KV cache size (cache_config.num_gpu_blocks): not checked")
+            return
+        chains = self.shape.chains if self.shape is not None else 0
+        log.info("vLLM KV cache: %d tokens = %.1f full sequences of %d tokens (a rollout runs %d chains; fewer at "
+                 "once means vLLM queues the rest)", tokens, tokens / seq, seq, chains)
+        if tokens < seq:
+            raise ValueError(
+                f"vLLM's KV cache holds {tokens} tokens, less than one full sequence ({seq} tokens): raise "
+                f"rollout.engine.init_args.gpu_memory_utilization (now {self.gpu_memory_utilization}), lower "
+                f"max_num_batched_tokens (now {self.max_num_batched_tokens}) or the sequence length "
+                "(vpo plan --gpu-mem SIZE shows the KV cache left)")
 
     def setup(self, module: Any) -> None:
         if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
@@ -440,10 +572,35 @@ class VLLMEngine(Engine):
                 "rollout.engine=VLLMEngine needs vLLM and a CUDA GPU: pip install 'vpo-lightning[vllm]' on a GPU "
                 "machine, or use rollout.engine.class_path=vpo_lightning.generation.engines.TransformersEngine"
             )
+        self.check_lengths()
         from vllm import LLM
 
-        self.llm = LLM(**self.engine_kwargs(module))
+        device = torch.device(getattr(module, "device", "cuda"))
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # vLLM builds on the current device: this rank's, not cuda:0
+        kwargs = self.engine_kwargs(module)
+        rank, world = _rank_and_world()
+        if world > 1:  # vLLM's external launcher reads the process group from these, as TRL sets them
+            local = device.index if device.type == "cuda" and device.index is not None else rank
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
+        if "logprobs_mode" in _vllm_engine_args():
+            kwargs["logprobs_mode"] = "processed_logprobs"  # after temperature, as the trainer's log-probs
+            self.logprobs_processed = True
+        else:
+            log.warning("this vLLM has no logprobs_mode: its log-probs are the raw model's (before temperature), so "
+                        "train/engine_logprob_gap is meaningful only at rollout.sampling.temperature=1")
+        self._free_trainer_cache()  # vLLM measures free memory at start-up
+        self.llm = LLM(**kwargs)
+        self.asleep = False
+        self.check_kv_cache()
         self.sync(module)
+
+    @staticmethod
+    def _free_trainer_cache() -> None:
+        """Hand the trainer's cached CUDA blocks back to the driver: vLLM allocates outside torch's caching
+        allocator and cannot use memory the trainer's cache still holds (TRL does the same before each wake-up)."""
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def export_adapter(self, module: Any) -> Path:
         """Write the current adapter in PEFT format to a fresh versioned directory and return it. vLLM holds the raw
@@ -459,7 +616,7 @@ class VLLMEngine(Engine):
         if rank > self.max_lora_rank:
             raise ValueError(f"the adapter served to vLLM has rank {rank} (with model.adapter: the starting adapter's "
                              f"rank + model.lora.r), above rollout.engine.init_args.max_lora_rank="
-                             f"{self.max_lora_rank}: raise it to at least {rank}")
+                             f"{self.max_lora_rank}: raise it to at least {vllm_lora_rank(rank)}")
         old = root / f"v{self.lora_version - 1}"
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -485,12 +642,18 @@ class VLLMEngine(Engine):
 
         return LoRARequest(f"policy-v{self.lora_version}", self.lora_version, str(self.adapter_path))
 
+    def wake(self) -> None:
+        """Wake vLLM (if asleep) after handing the trainer's cached blocks back to the driver."""
+        if self.asleep:
+            self._free_trainer_cache()
+            self.llm.wake_up()
+            self.asleep = False
+
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
                  seeds: list[int] | None = None) -> Generation:
         from vllm import SamplingParams
 
-        if self.enable_sleep_mode:
-            self.llm.wake_up()
+        self.wake()
         seeds = seeds or [None] * len(prompt_ids)
         params = [SamplingParams(**self.sampling_params(group_size, sampling, s)) for s in seeds]  # one per prompt
         outputs = self.llm.generate(
@@ -498,7 +661,11 @@ class VLLMEngine(Engine):
         )
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)
-        return outputs_to_generation(outputs)
+            self.asleep = True
+        gen = outputs_to_generation(outputs)
+        if not self.logprobs_processed and sampling.temperature != 1.0:
+            gen.engine_logprobs = None  # raw log-probs: not the sampled distribution, no gap to report
+        return gen
 
     def teardown(self) -> None:
         if self._tmp:

@@ -413,6 +413,15 @@ def without_bitsandbytes(active: bool = True) -> Iterator[None]:
                     probe.cache_clear()
 
 
+def undo_kbit_upcast(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+    """Put back the frozen weights PEFT's ``prepare_model_for_kbit_training`` casts to fp32 (embeddings, head, norms):
+    in fp32 they take twice the memory ``vpo plan`` counts (+2 GiB for a 7B model's embeddings and head), and an fp32
+    norm weight turns every activation after it fp32. Their dtype is the one they were loaded in, as vLLM's."""
+    for name, param in model.named_parameters():
+        if name in dtypes and param.dtype != dtypes[name] and not param.requires_grad:
+            param.data = param.data.to(dtypes[name])
+
+
 def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
     """Wrap ``model`` in place with a trainable LoRA adapter (base weights frozen)."""
     four_bit = getattr(model, "is_loaded_in_4bit", False)
@@ -420,7 +429,9 @@ def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         if four_bit:
+            half = {n: p.dtype for n, p in model.named_parameters() if p.dtype in (torch.bfloat16, torch.float16)}
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+            undo_kbit_upcast(model, half)
         elif gradient_checkpointing:
             enable_activation_checkpointing(model)
             model.enable_input_require_grads()

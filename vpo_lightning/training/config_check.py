@@ -367,6 +367,21 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def vllm_budget_problems(cfg: Any) -> list[str]:
+    """vLLM stops a chain at ``max_model_len`` without saying so: the prompt budget plus the generation budget must
+    fit in it (checked before any model loads; ``VLLMEngine.setup`` checks again)."""
+    engine = get(cfg, "rollout.engine")
+    max_len = getattr(engine, "max_model_len", None) or get(engine, "init_args.max_model_len", 4096)
+    prompt = int(get(cfg, "data.max_prompt_tokens", 0) or 0)
+    new = int(get(cfg, "rollout.sampling.max_new_tokens", 256))
+    if prompt + new <= int(max_len) and new < int(max_len):
+        return []
+    return [f"data.max_prompt_tokens ({prompt}) + rollout.sampling.max_new_tokens ({new}) = {prompt + new} tokens do "
+            f"not fit in rollout.engine.init_args.max_model_len={max_len}: vLLM would stop chains early. Raise "
+            f"--rollout.engine.init_args.max_model_len to at least {prompt + new} (within the model's context), or "
+            "lower data.max_prompt_tokens or rollout.sampling.max_new_tokens."]
+
+
 def preflight(cfg: Any) -> list[str]:
     """Problems with options that need a package or a GPU this machine lacks; each says what to do instead.
 
@@ -390,6 +405,7 @@ def preflight(cfg: Any) -> list[str]:
             problems.append(f"model.model.attn_implementation=flash_attention_2 needs {need}. "
                             "Set --model.model.attn_implementation=sdpa to run here.")
     if _engine_is_vllm(get(cfg, "rollout.engine")):
+        problems += vllm_budget_problems(cfg)
         missing = importlib.util.find_spec("vllm") is None
         if missing or not _has_cuda():
             need = "vLLM (pip install 'vpo-lightning[vllm]')" if missing else "a CUDA GPU"

@@ -337,6 +337,8 @@ class VPOModule(PolicyModule):
             logged["train/engine_logprob_gap"] = gap
         if torch.cuda.is_available():
             logged["train/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            # what the caching allocator holds (allocated + cached blocks): what another process, vLLM, cannot use
+            logged["train/peak_cuda_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         self.log_dict(logged, on_step=True, batch_size=1, sync_dist=self.trainer.world_size > 1)
         prog = {"reward": ro.metrics.get("reward/all/mean", 0.0),  # every candidate, unparsed ones count 0
                 "parsed": ro.metrics.get("chains/candidate_parse_rate", 0.0),

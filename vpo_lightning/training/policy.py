@@ -64,6 +64,21 @@ class PolicyModule(L.LightningModule):
         trainable, total = count_parameters(self.policy)
         log.info("policy %s: %s trainable of %s parameters", self.model_settings.name, f"{trainable:,}", f"{total:,}")
 
+    def on_fit_start(self) -> None:
+        """Warn when the trained weights or the rotary frequencies are not fp32 after Lightning's precision plugin
+        ran: ``trainer.precision: bf16-true`` casts the whole module, so the LoRA weights and AdamW state become bf16
+        (a 2e-5 update is below half the bf16 spacing of typical LoRA values) and RoPE's ``inv_freq`` is rounded
+        (the trained policy's positions drift from vLLM's fp32 RoPE)."""
+        if self.policy is None:
+            return
+        off = sorted({f"trainable {p.dtype}" for p in self.trainable_parameters() if p.dtype != torch.float32}
+                     | {f"{n} {b.dtype}" for n, b in self.policy.named_buffers()
+                        if n.endswith("inv_freq") and b.dtype != torch.float32})
+        if off:
+            log.warning("trainer.precision=%s leaves %s: train with trainer.precision=32-true and the base in "
+                        "model.model.dtype=bf16 (fp32 LoRA weights and optimizer state over a bf16 base)",
+                        self.trainer.precision if self._trainer is not None else "?", ", ".join(off[:4]))
+
     @property
     def uses_lora(self) -> bool:
         return self.model_settings.lora.enabled

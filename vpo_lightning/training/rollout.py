@@ -34,7 +34,7 @@ from vpo_lightning.core.protocol import (
     engine_logprob_tensor,
 )
 from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
-from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
+from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
 from vpo_lightning.training.checkpointing import pause_point
 from vpo_lightning.training.records import template_tools
@@ -144,13 +144,21 @@ class RolloutCallback(L.Callback):
             raise ValueError("rollout.dynamic_sampling.enabled is not supported with several processes yet (ranks "
                              "would keep different numbers of groups); run on one device or turn it off")
 
-    def _ensure_engine(self, pl_module: L.LightningModule) -> None:
+    def _ensure_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._engine_ready:  # after configure_model, so the engine sees the loaded policy
+            self.engine.prepare(self.rollout_shape(trainer))
             self.engine.setup(pl_module)
             self._engine_ready = True
 
+    def rollout_shape(self, trainer: L.Trainer) -> RolloutShape:
+        """B, G, the prompt budget and the generation budget of this run's largest rollout step."""
+        data = getattr(trainer, "datamodule", None)
+        return RolloutShape(batch_size=int(getattr(data, "batch_size", 1) or 1), group_size=self.group_size,
+                            max_prompt_tokens=int(getattr(data, "max_prompt_tokens", 0) or 0),
+                            max_new_tokens=self.sampling.max_new_tokens)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
-        self._ensure_engine(pl_module)
+        self._ensure_engine(trainer, pl_module)
         stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
         batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
                                         pool=getattr(stream, "records", None))
@@ -175,7 +183,7 @@ class RolloutCallback(L.Callback):
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
-        self._ensure_engine(pl_module)
+        self._ensure_engine(trainer, pl_module)
         batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

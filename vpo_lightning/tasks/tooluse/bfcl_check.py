@@ -13,15 +13,18 @@ is restored afterwards.
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from vpo_lightning.tasks.tooluse.calls import parse_output
 
-__all__ = ["MODEL", "bfcl_correct"]
+__all__ = ["MODEL", "bfcl_correct", "check_eval", "main"]
 
 MODEL = "vpo-lightning"  # the model name BFCL's checker is given (it only decides function-name rewriting)
 
@@ -49,13 +52,15 @@ def _checker() -> tuple[Any, Any]:
 
 
 def bfcl_correct(answer: str | None, record: Mapping[str, Any]) -> bool:
-    """Whether BFCL's checker accepts ``answer`` (one candidate's text; None = unparsed) for ``record``.
+    """Whether BFCL's checker accepts ``answer`` (one candidate's text; None = not written: wrong) for ``record``.
 
     Irrelevance records (no possible answer): correct when the answer makes no call. Others: the calls of the
     answer's ``<tool_call>`` blocks, in BFCL's form ``[{name: {arg: value}}]``, judged by ``ast_checker`` for the
     record's category (simple, multiple, parallel, parallel_multiple). Never raises on model text.
     """
-    calls = [] if answer is None else [{name: dict(args)} for name, args in parse_output(answer).calls]
+    if answer is None:  # no answer written (an unparsed chain slot): wrong in every category
+        return False
+    calls = [{name: dict(args)} for name, args in parse_output(answer).calls]
     category = str((record.get("meta") or {}).get("category", ""))
     gold = record.get("ground_truth") or []
     if "irrelevance" in category or not gold:
@@ -68,3 +73,69 @@ def bfcl_correct(answer: str | None, record: Mapping[str, Any]) -> bool:
     except Exception:  # noqa: BLE001 - the checker on arbitrary model output: an error is a wrong answer
         return False
     return bool(result.get("valid", False))
+
+
+def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
+    """BFCL's verdict on every answer of a `vpo eval` of tool use (``eval.json`` + ``samples.jsonl``).
+
+    Per prompt: ``correct`` (one bool per answer, in eval.json's order: chain by chain), and over all prompts:
+    ``checker_pass_at_k`` (some answer among k is correct: the unbiased estimator), ``best_answer_correct_at_k``
+    (the answer with the highest f among k is correct; k answers in ``orders`` seeded random orders, first maximum
+    wins: what a user who keeps the best-scoring answer reads), and accuracy per category of answers (k = 1).
+    """
+    import torch
+
+    from vpo_lightning.core.chains import parse_chain
+    from vpo_lightning.core.metrics import pass_at_k_curve
+    from vpo_lightning.training.records import read_records
+
+    report = json.loads((eval_dir / "eval.json").read_text(encoding="utf-8"))
+    records = {r.get("id"): r for r in read_records(report["data_file"])}
+    chains: dict[Any, list[str]] = {}
+    for line in (eval_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        chains.setdefault(row["id"], []).append(row["text"])
+    m, chained = int(report["m"]), report["estimator"] in ("vpo", "multi_rlvr")
+    prompts, solved, best_rows, per_cat = [], [], [], {}
+    gen = torch.Generator().manual_seed(int(report.get("seed", 0)))
+    for p in report["prompts"]:
+        record = records[p["id"]]
+        answers = [a for text in chains[p["id"]]
+                   for a in (parse_chain(text, m, report["tag_family"]) if chained else [text])]
+        correct = [bfcl_correct(a, record) for a in answers]
+        f = torch.tensor([sum(r) / len(r) for r in p["rewards"]], dtype=torch.float64)  # [n]
+        ok = torch.tensor(correct, dtype=torch.bool)  # [n]
+        n = len(correct)
+        order = torch.stack([torch.randperm(n, generator=gen) for _ in range(orders)])  # [O, n]
+        fo, oko = f[order], ok[order]  # [O, n]
+        run_max = torch.cummax(fo, dim=1)  # first maximum of each prefix
+        best_ok = oko.gather(1, run_max.indices).double().mean(0)  # [n]: the prefix's best answer is correct
+        best_rows.append(best_ok)
+        solved.append(ok)
+        cat = str((record.get("meta") or {}).get("category"))
+        per_cat.setdefault(cat, []).extend(correct)
+        prompts.append({"id": p["id"], "category": cat, "correct": correct})
+    return {"eval": str(eval_dir), "label": report.get("label"), "num_prompts": len(prompts),
+            "checker_pass_at_k": [round(float(v), 6) for v in pass_at_k_curve(solved)],
+            "best_answer_correct_at_k": [round(float(v), 6) for v in torch.stack(best_rows).mean(0)],
+            "accuracy_by_category": {c: round(sum(v) / len(v), 6) for c, v in sorted(per_cat.items())},
+            "prompts": prompts}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m vpo_lightning.tasks.tooluse.bfcl_check EVAL_DIR``: writes EVAL_DIR/bfcl.json, prints a line."""
+    p = argparse.ArgumentParser(description="BFCL's own checker on a `vpo eval` of tool use: writes bfcl.json")
+    p.add_argument("eval_dir", type=Path)
+    p.add_argument("--orders", type=int, default=100)
+    args = p.parse_args(argv)
+    out = check_eval(args.eval_dir, args.orders)
+    (args.eval_dir / "bfcl.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    n = len(out["checker_pass_at_k"])
+    print(f"{out['label']}: BFCL checker pass@1 {out['checker_pass_at_k'][0]:.3f}, pass@{n} "
+          f"{out['checker_pass_at_k'][-1]:.3f}, best answer of {n} correct {out['best_answer_correct_at_k'][-1]:.3f}"
+          f" ({out['num_prompts']} prompts) -> {args.eval_dir / 'bfcl.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

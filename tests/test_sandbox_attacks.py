@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -697,3 +698,139 @@ def test_an_empty_file_flood_is_bounded_by_the_run_budget(mode: str) -> None:
     result = sandbox.run_python(code, guard=False, memory_mb=32, max_disk_mb=8, timeout_s=15)
     counts = [int(line) for line in result.stdout.split() if line.isdigit()]
     assert "done" not in result.stdout and max(counts, default=0) <= 100_000, result.stdout[-200:]
+
+
+# ------------------------------------------------------------------- nothing outlives the trainer (issue 54, item 1)
+
+_OUTLIVER = (  # clears its parent-death signal, forks setsid spinners that clear theirs, then execs a sleeper
+    "import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "print('cleared', libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno(), flush=True)\n"  # PR_SET_PDEATHSIG = 1
+    "for i in range(3):\n"
+    "    if os.fork() == 0:\n"
+    "        os.setsid()\n        libc.prctl(1, 0, 0, 0, 0)\n"
+    "        os.execv(sys.executable, [sys.executable, '-c', 'while True: pass', {token!r}])\n"
+    "os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.1)', {token!r}])\n"
+)
+_TRAINER = (  # runs one candidate; "note": SIGTERM only takes note (as Lightning's handler does), the trainer lives on
+    "import signal, sys, time\nfrom vpo_lightning import sandbox\n"
+    "if sys.argv[1] == 'note':\n    signal.signal(signal.SIGTERM, lambda *a: print('sigterm noted', flush=True))\n"
+    "print(sandbox.isolation_info()['kind'], flush=True)\n"
+    "print(sandbox.run_python(sys.stdin.read(), guard=False, timeout_s=60).returncode, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _pids_with(token: str) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    pids.append(int(name))
+    return pids
+
+
+def _trainer_command(kind: str) -> tuple[list[str], dict[str, str]]:
+    """A trainer process's command line and environment in isolation ``kind`` (skips where it is unavailable)."""
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8",
+           "VPO_SANDBOX_ISOLATION": kind, "VPO_SANDBOX_ALLOW_MISSING": "cgroups"}
+    if kind == "root" or os.geteuid() != 0:
+        if (kind == "root") != (os.geteuid() == 0):
+            pytest.skip(f"{kind} mode needs {'root' if kind == 'root' else 'a non-root user'}")
+        return [sys.executable, "-c", _TRAINER], env
+    if not os.path.exists("/usr/bin/python3") or shutil.which("setpriv") is None:
+        pytest.skip("userns from root needs /usr/bin/python3 and setpriv to drop to an unprivileged user")
+    return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c",
+            _TRAINER], env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["root", "userns"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGTERM-noted"])
+def test_no_candidate_process_outlives_its_trainer(kind: str, how: str) -> None:
+    """A candidate clears its parent-death signal and forks setsid children that clear theirs (issue 54: as PID 1 of
+    its namespace it could, and outlived a killed trainer with its uid and cgroup). 2 s after its trainer is
+    SIGKILLed, SIGTERMed, or SIGTERMed with a handler that only takes note, no process of the candidate is alive."""
+    token = f"vpo-outlive-{uuid.uuid4().hex[:12]}"
+    cmd, env = _trainer_command(kind)
+    trainer = subprocess.Popen([*cmd, "note" if how == "SIGTERM-noted" else "plain"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd="/", text=True)
+    try:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        trainer.stdin.write(_OUTLIVER.format(token=token))
+        trainer.stdin.close()
+        got = trainer.stdout.readline().strip()
+        if got != kind:
+            pytest.skip(f"{kind} isolation is not available here (got {got!r}): {trainer.communicate()[1][-300:]}")
+        end = time.monotonic() + 30
+        while len(_pids_with(token)) < 4 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(_pids_with(token)) == 4, trainer.stderr.read() if trainer.poll() is not None else "slow start"
+        trainer.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
+        time.sleep(2)
+        assert _pids_with(token) == [], how
+        if how == "SIGTERM-noted":  # the trainer's own handler still ran, and the trainer lives on
+            assert trainer.poll() is None
+            assert "sigterm noted" in trainer.stdout.readline() + trainer.stdout.readline()
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        for pid in _pids_with(token):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_cgroups_of_a_killed_trainer_are_reaped_at_start_up() -> None:
+    """A trainer SIGKILLed mid-run leaves its ``vpo-sandbox-<pid>`` cgroups (its exit handler never ran): the next
+    trainer's start-up removes them."""
+    from vpo_lightning.sandbox import _cgroup
+
+    if os.geteuid() != 0:
+        pytest.skip("per-run cgroups need root here")
+    cmd, env = _trainer_command("root")
+    trainer = subprocess.Popen([*cmd, "plain"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env, cwd="/", text=True)
+    assert trainer.stdin is not None and trainer.stdout is not None
+    trainer.stdin.write("import time\ntime.sleep(60)\n")
+    trainer.stdin.close()
+    assert trainer.stdout.readline().strip() == "root"
+    found, why = _cgroup.detect()
+    if found is None:
+        trainer.kill()
+        pytest.skip(f"no per-run cgroups here: {why}")
+    stale = [os.path.join(os.path.dirname(p), f"vpo-sandbox-{trainer.pid}") for p in found.parents]
+    end = time.monotonic() + 20
+    while not all(os.path.isdir(d) and any(n.startswith("run-") for n in os.listdir(d)) for d in stale) \
+            and time.monotonic() < end:
+        time.sleep(0.05)
+    trainer.kill()
+    trainer.wait(10)
+    assert all(os.path.isdir(d) for d in stale)  # left behind
+    _cgroup.detect()  # what a trainer does at start-up
+    assert not any(os.path.exists(d) for d in stale)
+
+
+def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
+    """A process still running on a private uid of a trainer that is gone (as a candidate of a trainer before issue
+    54 could) is killed when the next trainer's uid pool starts; a process on that uid outside a one-uid user
+    namespace (a container's) is left alone."""
+    if os.geteuid() != 0 or shutil.which("bwrap") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, bubblewrap and setpriv")
+    owner = next(p for p in range(400_000, 500_000) if not _modes._pool_owner_alive(_modes._POOL_BASE + p * 256))
+    uid = str(_modes._POOL_BASE + owner * _modes._POOL_STRIDE + 3)
+    outer = subprocess.Popen(["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "bwrap", "--unshare-user",
+                              "--ro-bind", "/", "/", "sleep", "60"])
+    try:
+        end = time.monotonic() + 10
+        while not Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split() and \
+                time.monotonic() < end:
+            time.sleep(0.05)
+        (inner,) = map(int, Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split())
+        killed = _modes.reap_stale_uids()
+        assert inner in killed and outer.pid not in killed
+        assert outer.wait(10) != 0
+    finally:
+        outer.kill()
+        outer.wait(10)

@@ -34,6 +34,41 @@ class _Isolation:
     missing: tuple[str, ...] = ()  # layers this machine lacks, each with why (logged as a WARNING)
 
 
+_POOL_BASE, _POOL_STRIDE = 1_000_000, 256  # trainer pid p owns uids _POOL_BASE + (p % 10**6) * _POOL_STRIDE + [0, 256)
+
+
+def _pool_owner_alive(uid: int) -> bool:
+    """Whether a process that could own ``uid``'s pool (a pid equal to its owner modulo 10**6) is running."""
+    owner = (uid - _POOL_BASE) // _POOL_STRIDE
+    return any(_cgroup._alive(pid) for pid in range(owner, 1 << 22, 1_000_000) if pid > 0)
+
+
+def reap_stale_uids() -> list[int]:
+    """SIGKILL the processes a dead trainer's root-mode sandboxes left running: a uid from the pool range whose
+    owning trainer is gone (or is this process, which has not started any sandbox yet), inside a user namespace
+    that maps exactly that one uid (as bubblewrap's does; a container's namespace maps a range, so its processes
+    are never touched). Returns the pids killed."""
+    me, killed = os.getpid(), []
+    own = range(_POOL_BASE + (me % 1_000_000) * _POOL_STRIDE, _POOL_BASE + (me % 1_000_000 + 1) * _POOL_STRIDE)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+            if not _POOL_BASE <= uid < _POOL_BASE + 1_000_000 * _POOL_STRIDE:
+                continue
+            with open(f"/proc/{name}/uid_map") as f:
+                if f.read().split() != [str(uid), str(uid), "1"]:
+                    continue
+            if uid in own or not _pool_owner_alive(uid):
+                os.kill(int(name), 9)
+                killed.append(int(name))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return killed
+
+
 class _UidPool:
     """Private uids for concurrent runs in root mode: ``size`` per parent process, derived from its pid.
 
@@ -41,9 +76,11 @@ class _UidPool:
     threads never hold some while waiting for more (with as many scoring threads as uids, one uid at a time
     deadlocked every thread)."""
 
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = _POOL_STRIDE) -> None:
+        if not 1 <= size <= _POOL_STRIDE:
+            raise ValueError(f"a uid pool holds 1 to {_POOL_STRIDE} uids, not {size}")
         self.size = size
-        base = 1_000_000 + (os.getpid() % 1_000_000) * size
+        base = _POOL_BASE + (os.getpid() % 1_000_000) * _POOL_STRIDE  # the owner is found back from a uid
         self._free = list(range(base, base + size))
         self._cond = threading.Condition()
 
@@ -72,6 +109,8 @@ def _uid_pool() -> _UidPool:
     global _UIDS
     with _UIDS_LOCK:
         if _UIDS is None:
+            if os.geteuid() == 0:
+                reap_stale_uids()
             _UIDS = _UidPool()
         return _UIDS
 
@@ -209,7 +248,12 @@ def _probe(iso: _Isolation) -> str:
 
 
 def _isolation() -> _Isolation:
+    """The isolation here (probed at the first call). From the main thread, it also makes sure that SIGTERM ends
+    this process's sandboxes (:func:`._process.end_all_on_sigterm`)."""
     global _ISO
+    from ._process import end_all_on_sigterm  # _process imports this module
+
+    end_all_on_sigterm()
     with _ISO_LOCK:
         if _ISO is None:
             _ISO = _detect()

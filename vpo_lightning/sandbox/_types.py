@@ -10,7 +10,8 @@ _CHILD_FILES = ("_child.py", "_codec.py")
 _BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
 _LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
 WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
-_LAUNCHER_TASKS = 2  # tasks of a run that are not the candidate's: bubblewrap's outer process and a spare
+_LAUNCHER_TASKS = 3  # tasks of a run that are not the candidate's: bubblewrap's outer process, its init (PID 1 of the
+# namespace) and a spare
 STRICT_FLAG = "VPO_SANDBOX_STRICT"  # a layer missing here (seccomp, cgroup limits) is an error, not a WARNING
 
 

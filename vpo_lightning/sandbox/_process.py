@@ -15,14 +15,13 @@ import weakref
 from functools import lru_cache
 from typing import Any
 
-from ._modes import _Isolation, _isolation, _uid_pool
+from ._modes import _Isolation, _isolation, _uid_pool, refusal_message
 from ._types import (
     _BOX,
     _CHILD_FILES,
     _HERE,
     _LAUNCHER_TASKS,
     _LIB,
-    WEAK_FLAG,
     SandboxLimits,
     SandboxUnavailable,
     _boot,
@@ -110,10 +109,7 @@ class _Child:
                  iso: _Isolation | None = None, uid: int | None = None) -> None:
         self.iso = iso or _isolation()
         if self.iso.kind == "unavailable":
-            raise SandboxUnavailable(
-                "the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
-                f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
-                f"isolation (the candidate can then read this machine's files). Why: {self.iso.reason}")
+            raise SandboxUnavailable(refusal_message(self.iso))
         # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one
         self.own_uid = uid is None and self.iso.kind == "root"
         self.uid = _uid_pool().acquire()[0] if self.own_uid else uid if self.iso.kind == "root" else None

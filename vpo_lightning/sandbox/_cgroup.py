@@ -2,7 +2,8 @@
 
 RLIMITs are per process: 16 processes under a 512 MiB ``RLIMIT_AS`` hold 8 GiB, and CPU spinners in their own
 sessions each get a core. A cgroup made for each run (under the trainer's own cgroup, in a ``vpo-sandbox-<pid>``
-folder removed at exit) caps the run as a whole: memory (its processes, its tmpfs files and the kernel memory it
+folder removed at exit, or at the next start-up when the trainer was killed first: :func:`reap_stale`) caps the run
+as a whole: memory (its processes, its tmpfs files and the kernel memory it
 causes, such as inodes), tasks (processes and threads) and CPU (one core's worth, and the weight of the trainer's
 own nice level, which the run's processes would otherwise inherit: a run does not outrank a niced trainer that
 relays its calls). The run's first process (a

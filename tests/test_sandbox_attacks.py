@@ -857,7 +857,8 @@ def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
     owner = next(p for p in range(400_000, 500_000) if not _modes._pool_owner_alive(_modes._POOL_BASE + p * 256))
     uid = str(_modes._POOL_BASE + owner * _modes._POOL_STRIDE + 3)
     outer = subprocess.Popen(["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "bwrap", "--unshare-user",
-                              "--ro-bind", "/", "/", "sleep", "60"])
+                              "--die-with-parent", "--ro-bind", "/", "/", "sleep", "60"])
+    inner = -1
     try:
         end = time.monotonic() + 10
         while not Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split() and \
@@ -870,6 +871,9 @@ def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
     finally:
         outer.kill()
         outer.wait(10)
+        if inner > 0:
+            with contextlib.suppress(OSError):
+                os.kill(inner, signal.SIGKILL)
 
 
 # ------------------------------------------------------------ seccomp is an allow-list (issue 54, item 2)

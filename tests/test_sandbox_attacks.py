@@ -816,6 +816,16 @@ def test_no_candidate_process_outlives_its_trainer(kind: str, how: str) -> None:
         for pid in _pids_with(token):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        _reap_test_trainers()
+
+
+def _reap_test_trainers() -> None:
+    """Remove the cgroups of the trainers these tests killed (the next trainer's start-up would)."""
+    from vpo_lightning.sandbox import _cgroup
+
+    found, _ = _modes._cgroups() if os.geteuid() == 0 else (None, "")
+    if found is not None:
+        _cgroup.reap_stale(tuple(os.path.dirname(p) for p in found.parents))
 
 
 def test_cgroups_of_a_killed_trainer_are_reaped_at_start_up() -> None:

@@ -999,3 +999,35 @@ def test_vpo_checks_the_sandbox_before_a_code_run(monkeypatch) -> None:
     monkeypatch.setattr(_modes, "_ISO", None)
     with pytest.raises(ValueError, match=f"code_tests run model-written code; .*{sandbox.WEAK_FLAG}=1"):
         sandbox_summary(["code_tests"])
+
+
+def test_socket_buffers_count_against_the_run_budget(mode: str) -> None:
+    """13 processes fill 30 AF_UNIX socket pairs each (~13 MiB queued in the kernel per process, outside
+    ``RLIMIT_AS``; issue 54 saw ~400 MB from a 160 MiB candidate with raised buffers): the run's memory cgroup counts
+    the buffers, so the run ends (killed) or reports at most its budget (``memory_mb + max_disk_mb``)."""
+    _needs_cgroups()
+    code = (
+        "import os, socket, time\n"
+        "def fill(kind):\n"
+        "    total, socks = 0, []\n"
+        "    try:\n"
+        "        for _ in range(30):\n"
+        "            socks += socket.socketpair(socket.AF_UNIX, kind)\n"
+        "            for s in socks[-2:]:\n"
+        "                s.setblocking(False)\n"
+        "                try:\n"
+        "                    while True:\n                        total += s.send(b'x' * 60000)\n"
+        "                except OSError:\n                    pass\n"
+        "    except OSError:\n        pass\n"
+        "    return total, socks\n"
+        "r, w = os.pipe()\n"
+        "for i in range(12):\n"
+        "    if os.fork() == 0:\n"
+        "        total, socks = fill(socket.SOCK_DGRAM if i % 2 else socket.SOCK_STREAM)\n"
+        "        os.write(w, b'%d ' % total)\n        time.sleep(6)\n        os._exit(0)\n"
+        "os.close(w)\ntotal, socks = fill(socket.SOCK_STREAM)\ntime.sleep(2)\n"
+        "print((total + sum(map(int, os.read(r, 1 << 16).split()))) >> 20, flush=True)\n"
+    )
+    result = sandbox.run_python(code, guard=False, memory_mb=128, max_disk_mb=32, timeout_s=12)
+    queued = int(result.stdout.split()[-1]) if result.stdout.split() else 0
+    assert result.returncode != 0 or queued <= 128 + 32, result

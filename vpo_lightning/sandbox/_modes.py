@@ -1,4 +1,5 @@
-"""Which isolation this machine gives (root, userns, weak or none), probed once, and the private uid pool."""
+"""Which isolation this machine gives (root, userns, weak or none), probed once (a layer it lacks is refused unless
+accepted by name), and the private uid pool (whose uids a dead trainer left running are reaped when it starts)."""
 
 from __future__ import annotations
 
@@ -38,18 +39,18 @@ _POOL_BASE, _POOL_STRIDE = 1_000_000, 256  # trainer pid p owns uids _POOL_BASE 
 
 
 def _pool_owner_alive(uid: int) -> bool:
-    """Whether a process that could own ``uid``'s pool (a pid equal to its owner modulo 10**6) is running."""
-    owner = (uid - _POOL_BASE) // _POOL_STRIDE
-    return any(_cgroup._alive(pid) for pid in range(owner, 1 << 22, 1_000_000) if pid > 0)
+    """Whether another process that could own ``uid``'s pool (a pid equal to its owner modulo 10**6) is running."""
+    owner, me = (uid - _POOL_BASE) // _POOL_STRIDE, os.getpid()
+    return any(_cgroup._alive(pid) for pid in range(owner, 1 << 22, 1_000_000) if pid > 0 and pid != me)
 
 
 def reap_stale_uids(before_first_run: bool = False) -> list[int]:
     """SIGKILL the processes a dead trainer's root-mode sandboxes left running: a uid from the pool range whose
-    owning trainer is gone (or, ``before_first_run``, is this process's own range: an earlier process with the same
-    pid modulo 10**6 left them), inside a user namespace that maps exactly that one uid (as bubblewrap's does; a
-    container's namespace maps a range, so its processes are never touched). Returns the pids killed."""
+    owning trainer is gone (no running pid equal to its owner modulo 10**6 but this process, whose own range is
+    reaped only ``before_first_run``), inside a user namespace that maps exactly that one uid (as bubblewrap's does;
+    a container's namespace maps a range, so its processes are never touched). Returns the pids killed."""
     me, killed = os.getpid() % 1_000_000, []
-    own = range(_POOL_BASE + me * _POOL_STRIDE, _POOL_BASE + (me + 1) * _POOL_STRIDE) if before_first_run else range(0)
+    own = range(_POOL_BASE + me * _POOL_STRIDE, _POOL_BASE + (me + 1) * _POOL_STRIDE)
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -61,7 +62,7 @@ def reap_stale_uids(before_first_run: bool = False) -> list[int]:
             with open(f"/proc/{name}/uid_map") as f:
                 if f.read().split() != [str(uid), str(uid), "1"]:
                     continue
-            if uid in own or not _pool_owner_alive(uid):
+            if (before_first_run or uid not in own) and not _pool_owner_alive(uid):
                 os.kill(int(name), 9)
                 killed.append(int(name))
         except (OSError, StopIteration, ValueError):
@@ -286,7 +287,7 @@ def _isolation() -> _Isolation:
             if _ISO.kind in ("root", "userns"):
                 log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, seccomp %s, "
                          "python %s)", _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
-                         "on" if _ISO.seccomp else "OFF", _ISO.python)
+                         "allow-list" if _ISO.seccomp else "OFF", _ISO.python)
                 for gap in _ISO.missing:
                     log.warning("sandbox isolation is weaker than it should be, accepted by %s: %s", ALLOW_MISSING_FLAG,
                                 gap)

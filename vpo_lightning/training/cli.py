@@ -198,14 +198,24 @@ class VPOCLI(LightningCLI):
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
             print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
-            if self.sandbox is not None:
-                info = self.sandbox
-                missing = f", accepted missing: {'; '.join(info['missing'])}" if info["missing"] else ""
-                print(f"sandbox isolation: {info['kind']} (seccomp {'on' if info['seccomp'] else 'OFF'}, cgroup "
-                      f"{info['cgroup'] or 'none'}{missing}) for {', '.join(info['rewards'])}; recorded in "
-                      f"{path.parent / 'sandbox.json'}", flush=True)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                (path.parent / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
+            self._report_sandbox(path.parent)
+
+    def before_validate(self) -> None:
+        """Print and record the sandbox isolation, as :meth:`before_fit` does."""
+        if self.trainer.is_global_zero:
+            self._report_sandbox(Path(self.trainer.log_dir or self.trainer.default_root_dir))
+
+    def _report_sandbox(self, folder: Path) -> None:
+        """Print the isolation of a run whose rewards run model-written code and write it to ``sandbox.json``."""
+        if self.sandbox is None:
+            return
+        info = self.sandbox
+        missing = f", accepted missing: {'; '.join(info['missing'])}" if info["missing"] else ""
+        print(f"sandbox isolation: {info['kind']} (seccomp {'on' if info['seccomp'] else 'OFF'}, cgroup "
+              f"{info['cgroup'] or 'none'}{missing}) for {', '.join(info['rewards'])}; recorded in "
+              f"{folder / 'sandbox.json'}", flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 def _last_checkpoint(run_dir: str) -> str:

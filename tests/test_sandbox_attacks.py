@@ -960,6 +960,23 @@ def test_a_representative_candidate_runs_under_the_allow_list(run) -> None:
     assert guarded["returncode"] != 0 and "sandbox: importing _posixsubprocess is not allowed" in guarded["stderr"]
 
 
+def test_the_filter_tables_match_the_kernel_headers() -> None:
+    """The hand-written x86_64 numbers agree with the kernel's headers where installed, and no call is in two of the
+    allowed, argument-checked and named-refusal tables."""
+    from vpo_lightning.sandbox import _seccomp
+
+    tables = (_seccomp.X86_64_ALLOW, _seccomp.X86_64_CHECKED, _seccomp.X86_64_DENY)
+    names = [n for t in tables for n in t]
+    numbers = [nr for t in tables for nr in t.values()]
+    assert len(set(names)) == len(names) and len(set(numbers)) == len(numbers)
+    header = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+    if not header.exists():
+        pytest.skip("no kernel headers here (linux-libc-dev)")
+    known = {m[1]: int(m[2]) for m in re.finditer(r"#define __NR_(\w+) (\d+)", header.read_text())}
+    wrong = {n: (nr, known[n]) for t in tables for n, nr in t.items() if n in known and known[n] != nr}
+    assert not wrong and sum(n in known for n in names) > len(names) - 10, wrong
+
+
 def test_the_allow_list_covers_what_the_interpreter_calls(tmp_path: Path) -> None:
     """The system calls the sandbox's interpreter makes for the representative candidate (listed by ``strace``
     outside the sandbox) are all allowed, and none is in the named deny list."""

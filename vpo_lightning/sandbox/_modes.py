@@ -189,8 +189,8 @@ def _accepted_missing() -> set[str]:
 
 def _refusal(missing: tuple[str, ...]) -> str:
     """'' if every missing layer is accepted by name, else why the sandbox refuses and how to go on."""
-    layers = [m.split(":", 1)[0] for m in missing]
-    refused = [m for m, layer in zip(missing, layers) if layer not in _accepted_missing()]
+    layers, accepted = [m.split(":", 1)[0] for m in missing], _accepted_missing()
+    refused = [m for m, layer in zip(missing, layers) if layer not in accepted]
     if not refused:
         return ""
     return ("this machine's isolation lacks " + "; ".join(refused) + ". Fix that, or accept the weaker isolation by "

@@ -66,8 +66,14 @@ def end_all() -> int:
 
     Killing a run's launcher (bubblewrap's outer process, the leader of its own process group) ends its namespace's
     init, which the kernel ends with every process in the namespace."""
-    ended = 0
-    for child in list(_LIVE):
+    ended, children = 0, []
+    for _ in range(3):  # another thread may add a child while the set is copied
+        try:
+            children = list(_LIVE)
+            break
+        except RuntimeError:
+            continue
+    for child in children:
         proc = getattr(child, "proc", None)
         if proc is not None and proc.returncode is None:
             try:

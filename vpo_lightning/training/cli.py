@@ -87,7 +87,10 @@ def sandbox_summary(names: list[str]) -> dict[str, Any] | None:
         return None
     from vpo_lightning import sandbox
 
-    info = sandbox.isolation_info()
+    try:
+        info = sandbox.isolation_info()
+    except sandbox.SandboxUnavailable as err:  # a setting that names no layer
+        raise ValueError(str(err)) from None
     if info["kind"] == "unavailable":
         raise ValueError(f"rewards {', '.join(rewards)} run model-written code; {info['refusal']}")
     return {"rewards": rewards, **info}

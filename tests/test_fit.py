@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,10 @@ def test_task_configs_train_end_to_end(config, tmp_path, monkeypatch):
     for d in dims:
         assert f"train/reward/{d}" in scalars, sorted(scalars)
     assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 2
+    if task == "code":  # the isolation the run used is recorded beside its configuration (issue 54)
+        assert json.loads((run / "sandbox.json").read_text())["rewards"] == ["code_tests"]
+    else:
+        assert not (run / "sandbox.json").exists()
 
 
 def test_token_budget_stops_training_and_checkpoints_the_stop(tmp_path, monkeypatch):

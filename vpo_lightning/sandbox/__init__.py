@@ -3,7 +3,9 @@
 Threat model. In RL the code under test is written by a policy that is rewarded for passing: anything a candidate
 can read (reference solutions, hidden tests, the project's data), write (files a later candidate or the trainer
 reads), reach (sockets, other processes) or forge (the verdict, the trainer's time) becomes a reward it learns to
-take. So the candidate is isolated by the kernel, not by Python, and nothing it sends back is trusted.
+take; and what it can hold (a core, memory outside its limits, a machine-wide kernel pool such as AIO events, a
+process that outlives its trainer) harms the machine. So the candidate is isolated by the kernel, not by Python,
+and nothing it sends back is trusted.
 
 This module is the API; :mod:`._modes` finds the isolation this machine gives (probed once) and holds the private
 uid pool, :mod:`._process` runs one child under it (launch, pipes, end), :mod:`._types` has the limits and results.
@@ -18,8 +20,8 @@ Entry points (one launcher):
   verdicts in a second sandbox (the checker) and the trainer decodes nothing a candidate wrote.
 
 Modes (probed once, logged at the first use: ``INFO`` for kernel isolation, ``WARNING`` for weak or for a missing
-layer, ``ERROR`` when code will be refused; see :func:`isolation_info`; ``VPO_SANDBOX_ISOLATION=root|userns|weak``
-forces one):
+layer accepted by name, ``ERROR`` when code will be refused; see :func:`isolation_info`;
+``VPO_SANDBOX_ISOLATION=root|userns|weak`` forces one):
 
 * ``root`` (the trainer runs as root; ``bwrap`` from bubblewrap and util-linux ``setpriv`` installed): each run
   drops to a private unprivileged uid from a per-process pool (a candidate and its checker take theirs in one step:
@@ -27,9 +29,11 @@ forces one):
   and forbids nested user namespaces. Nothing a candidate does is done as root or with a capability over anything
   real.
 * ``userns`` (not root, unprivileged user namespaces allowed, ``bwrap`` installed): the same namespaces, as the
-  caller's uid. Refused for a root trainer: there the candidate would be uid 0 with every capability in its
-  namespace, and files owned by real root (``/proc/sys``) would be writable. As root, the choice is ``root`` mode
-  or a refusal whose message names what is missing (``setpriv``, bubblewrap, a readable interpreter).
+  caller's uid; a cgroup per run only where the caller's cgroup delegates the controllers (else refused unless
+  ``VPO_SANDBOX_ALLOW_MISSING=cgroups``). Refused for a root trainer: there the candidate would be uid 0 with every
+  capability in its namespace, and files owned by real root (``/proc/sys``) would be writable. As root, the choice
+  is ``root`` mode or a refusal whose message names what is missing (``setpriv``, bubblewrap, a readable
+  interpreter).
 * ``weak`` (no bubblewrap or no namespaces): only with ``VPO_SANDBOX_ALLOW_WEAK_ISOLATION=1``. A plain subprocess in
   a new session with the rlimits and the audit hook below: the candidate can read everything the trainer's user
   can read (reference solutions, data) and write wherever that user can. Without the flag the sandbox refuses
@@ -51,14 +55,25 @@ Layers in ``root``/``userns``, none of which depends on the candidate's cooperat
   to the namespace, no Unix socket outside is reachable either; and seccomp allows no socket family but
   ``AF_UNIX`` (``AF_VSOCK`` is not confined by network namespaces).
 * System calls: a seccomp filter (:mod:`._seccomp`, classic BPF built here, loaded by bubblewrap before the
-  interpreter starts) refuses what candidates never need: ``ptrace``/``process_vm_*``, the mount family, new
-  namespaces, keyrings, ``bpf``, ``perf_event_open``, ``memfd_create``, ``userfaultfd``, ``io_uring``, module and
-  ``kexec`` loading, clock and host settings, NUMA page moves; calls of another architecture kill the process.
+  interpreter starts) that is an allow-list (issue 54): the calls the interpreter, its standard library and
+  bubblewrap's init need, some only with certain arguments; everything else is refused, named or not (the AIO
+  family, System V IPC, POSIX message queues, inotify, ``ptrace``, the mount family, new namespaces, keyrings,
+  ``bpf``, ``perf_event_open``, ``memfd_create``, ``userfaultfd``, ``io_uring``, ``sync``, ``mlock``...). Socket
+  buffers cannot be raised past ``net.core.wmem_default`` (``SO_SNDBUF``/``SO_RCVBUF`` refused), and calls of
+  another architecture kill the process.
+* Lifetime: nothing a candidate starts outlives the trainer. The candidate is never PID 1 of its namespace:
+  bubblewrap's init is, and dies with bubblewrap's launcher, which dies with the trainer (parent-death signals;
+  the candidate cannot reach the init's, and the filter refuses clearing or weakening its own); when PID 1 ends,
+  the kernel kills every process of the namespace, forked, ``setsid`` or re-execed alike. SIGTERM first kills
+  every sandbox of the trainer, then runs the handler it replaced (installed from the main thread at the first
+  use). At start-up the trainer reaps what a trainer killed before its exit handlers left: ``vpo-sandbox-<pid>``
+  cgroups of a dead pid (killing what runs in them) and processes on a dead trainer's private uids.
 * Resources: a cgroup per run (:mod:`._cgroup`, under the trainer's own; v1, or v2 where the trainer's cgroup
   delegates the controllers) caps all its processes together: memory (``memory_mb`` + ``max_disk_mb``, tmpfs files
-  and the kernel memory the run causes included), tasks (``max_procs`` + 2, threads included) and CPU (one core's
-  worth, and an equal share against other runs), so that forked processes and setsid spinners neither multiply the
-  budget nor starve a neighbour.
+  and the kernel memory the run causes included: socket buffers too, measured with cgroup v1 on kernel 6.18), tasks
+  (``max_procs`` + 3, threads included: bubblewrap's launcher and init count) and CPU (one core's worth, and an
+  equal share against other runs), so that forked processes and setsid spinners neither multiply the budget nor
+  starve a neighbour.
 
 In every mode the child is ``python -I -S -B -c "import _child; _child.main()"`` (the bootstrap in
 :mod:`._child` and :mod:`._codec`, copied into the sandbox; no site, no user environment, nothing of the parent's
@@ -72,22 +87,30 @@ its state in closures so that rebinding globals does not switch it off. A candid
 the hook through ``gc`` and rewrite its closure cells); the attack tests do exactly that and then check that the
 kernel layers above still hold.
 
-A machine that lacks a layer (no filter for its architecture, bubblewrap refusing ``--seccomp``, no writable
-cgroups) still runs candidates, with a WARNING at the first use that names the layer and why;
-``VPO_SANDBOX_STRICT=1`` makes that a refusal (:class:`SandboxUnavailable`). :func:`isolation_info` lists the
-missing layers.
+Strict by default (issue 54): a machine that lacks a layer of its mode (no filter for its architecture,
+bubblewrap refusing ``--seccomp``, no writable cgroups), or whose first probe fails because of one, refuses to run
+candidates (:class:`SandboxUnavailable`, naming the layer and the fix) unless the user accepts that layer by name,
+``VPO_SANDBOX_ALLOW_MISSING=cgroups`` (or ``seccomp``, comma-separated): then it runs, with a WARNING at the first
+use. ``VPO_SANDBOX_STRICT=1`` refuses even an accepted layer. :func:`isolation_info` lists the missing layers, and
+``vpo fit``/``vpo validate`` print the isolation a run with a code reward uses and record it in its
+``sandbox.json``.
 
 What comes back is bounded: output by ``max_output_bytes``, answer frames by ``max_message_bytes``. The built-in
 tasks compare answers in a checker sandbox and the trainer only compares verdict bytes; answers the trainer does
 decode (:meth:`FunctionSession.call`) are refused when they carry hash-collision floods (which would make building a
 set or dict quadratic).
 
-Known gaps: a kernel bug in a system call the filter allows is the remaining way out (the filter is a deny list: new
-kernels' new calls are allowed until listed); the filter exists for x86_64 only; without writable cgroups (as a
-normal user on most machines) memory is bounded per process (``RLIMIT_AS`` times ``max_procs``), CPU per process
+Guarantees per mode: ``docs/SANDBOX.md`` has the table. Known gaps: a kernel bug in a system call the filter allows
+is the remaining way out; the filter exists for x86_64 only; without cgroups (accepted by name; an unprivileged user
+on most machines) memory is bounded per process (``RLIMIT_AS`` times ``max_procs``) plus what its sockets queue in
+the kernel (at most ``net.core.wmem_default`` per socket, times 64 descriptors per process and the descriptors in
+flight: about 200 MiB for 16 processes) and pipe buffers (the user's ``fs.pipe-user-pages-soft``), CPU per process
 (``RLIMIT_CPU``) and by the deadline, and spinners can crowd a neighbour; the run directory's tmpfs has a size cap but
 no inode cap (bubblewrap cannot set one): empty files cost kernel memory, which the run's memory cgroup counts, but
-which nothing else bounds before the deadline; the v2 cgroup path is untested on the development machine (v1).
+which nothing else bounds before the deadline; the v2 cgroup path is untested on the development machine (v1); the
+start-up reaping only looks beside this trainer's own cgroups (a trainer killed in another cgroup leaves its empty
+cgroups there, though none of its processes: they die with it); the SIGTERM handler needs the sandbox's first use,
+or :func:`isolation_info`, in the main thread (``vpo fit`` does that).
 
 Design tradeoff (code reward): one candidate process per candidate, not per test (starting a sandbox dominates the
 cost), plus one checker process. Tests share the candidate's process state (as in HumanEval's own ``check``),
@@ -109,11 +132,12 @@ from typing import Any
 from . import _codec
 from ._modes import _isolation, _uid_pool, isolation_info
 from ._process import _Child, _Pump
-from ._types import STRICT_FLAG, WEAK_FLAG, SandboxLimits, SandboxResult, SandboxUnavailable
+from ._types import ALLOW_MISSING_FLAG, STRICT_FLAG, WEAK_FLAG, SandboxLimits, SandboxResult, SandboxUnavailable
 
 log = logging.getLogger(__name__)
-__all__ = ["STRICT_FLAG", "WEAK_FLAG", "FunctionSession", "SandboxCallError", "SandboxLimits", "SandboxResult",
-           "SandboxUnavailable", "encode", "function_sessions", "isolation_info", "run_many", "run_python"]
+__all__ = ["ALLOW_MISSING_FLAG", "STRICT_FLAG", "WEAK_FLAG", "FunctionSession", "SandboxCallError", "SandboxLimits",
+           "SandboxResult", "SandboxUnavailable", "encode", "function_sessions", "isolation_info", "run_many",
+           "run_python"]
 
 
 def run_python(

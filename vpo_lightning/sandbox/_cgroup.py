@@ -2,7 +2,8 @@
 
 RLIMITs are per process: 16 processes under a 512 MiB ``RLIMIT_AS`` hold 8 GiB, and CPU spinners in their own
 sessions each get a core. A cgroup made for each run (under the trainer's own cgroup, in a ``vpo-sandbox-<pid>``
-folder removed at exit) caps the run as a whole: memory (its processes, its tmpfs files and the kernel memory it
+folder removed at exit, or at the next start-up when the trainer was killed first: :func:`reap_stale`) caps the run
+as a whole: memory (its processes, its tmpfs files and the kernel memory it
 causes, such as inodes), tasks (processes and threads) and CPU (one core's worth, and the weight of the trainer's
 own nice level, which the run's processes would otherwise inherit: a run does not outrank a niced trainer that
 relays its calls). The run's first process (a
@@ -178,8 +179,45 @@ def detect() -> tuple[Cgroups | None, str]:
     return None, "no cgroup v1 memory/pids/cpu hierarchies and no cgroup v2 mounted"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a process of another user
+        return True
+    return True
+
+
+def reap_stale(parents: tuple[str, ...]) -> list[str]:
+    """Remove the ``vpo-sandbox-<pid>`` folders under ``parents`` whose trainer is gone (killed before its exit
+    handler ran), killing whatever still runs in their run cgroups. Returns the folders removed."""
+    removed = []
+    for parent in parents:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            owner = name.removeprefix("vpo-sandbox-")
+            if not name.startswith("vpo-sandbox-") or not owner.isdigit() or _alive(int(owner)):
+                continue
+            base = os.path.join(parent, name)
+            try:
+                runs = [os.path.join(base, d) for d in os.listdir(base) if d.startswith("run-")]
+            except OSError:
+                continue
+            for run in runs:
+                _kill_all(run)
+            if all(_rmdir(run) for run in runs) and _rmdir(base):
+                removed.append(base)
+    return removed
+
+
 def _make_base(cgroups: Cgroups) -> tuple[Cgroups | None, str]:
-    """``cgroups`` moved into a ``vpo-sandbox-<pid>`` folder of its own (removed at exit), or None and why."""
+    """``cgroups`` moved into a ``vpo-sandbox-<pid>`` folder of its own (removed at exit), or None and why. Folders
+    that a dead trainer left beside it are removed first (:func:`reap_stale`)."""
+    reap_stale(cgroups.parents)
     made: list[str] = []
     try:
         for parent in cgroups.parents:

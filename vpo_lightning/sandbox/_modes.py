@@ -1,4 +1,5 @@
-"""Which isolation this machine gives (root, userns, weak or none), probed once, and the private uid pool."""
+"""Which isolation this machine gives (root, userns, weak or none), probed once (a layer it lacks is refused unless
+accepted by name), and the private uid pool (whose uids a dead trainer left running are reaped when it starts)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from . import _cgroup, _seccomp
-from ._types import STRICT_FLAG, WEAK_FLAG, SandboxLimits, SandboxUnavailable
+from ._types import ALLOW_MISSING_FLAG, LAYERS, STRICT_FLAG, WEAK_FLAG, SandboxLimits, SandboxUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,42 @@ class _Isolation:
     reason: str = ""
     seccomp: bytes | None = None  # the filter bubblewrap loads (None: not available here)
     cgroups: _cgroup.Cgroups | None = None  # where per-run cgroups are made (None: per-process rlimits only)
-    missing: tuple[str, ...] = ()  # layers this machine lacks, each with why (logged as a WARNING)
+    missing: tuple[str, ...] = ()  # layers this machine lacks, each "<layer>: why" (an error unless accepted)
+
+
+_POOL_BASE, _POOL_STRIDE = 1_000_000, 256  # trainer pid p owns uids _POOL_BASE + (p % 10**6) * _POOL_STRIDE + [0, 256)
+
+
+def _pool_owner_alive(uid: int) -> bool:
+    """Whether another process that could own ``uid``'s pool (a pid equal to its owner modulo 10**6) is running."""
+    owner, me = (uid - _POOL_BASE) // _POOL_STRIDE, os.getpid()
+    return any(_cgroup._alive(pid) for pid in range(owner, 1 << 22, 1_000_000) if pid > 0 and pid != me)
+
+
+def reap_stale_uids(before_first_run: bool = False) -> list[int]:
+    """SIGKILL the processes a dead trainer's root-mode sandboxes left running: a uid from the pool range whose
+    owning trainer is gone (no running pid equal to its owner modulo 10**6 but this process, whose own range is
+    reaped only ``before_first_run``), inside a user namespace that maps exactly that one uid (as bubblewrap's does;
+    a container's namespace maps a range, so its processes are never touched). Returns the pids killed."""
+    me, killed = os.getpid() % 1_000_000, []
+    own = range(_POOL_BASE + me * _POOL_STRIDE, _POOL_BASE + (me + 1) * _POOL_STRIDE)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+            if not _POOL_BASE <= uid < _POOL_BASE + 1_000_000 * _POOL_STRIDE:
+                continue
+            with open(f"/proc/{name}/uid_map") as f:
+                if f.read().split() != [str(uid), str(uid), "1"]:
+                    continue
+            if (before_first_run or uid not in own) and not _pool_owner_alive(uid):
+                os.kill(int(name), 9)
+                killed.append(int(name))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return killed
 
 
 class _UidPool:
@@ -41,9 +77,11 @@ class _UidPool:
     threads never hold some while waiting for more (with as many scoring threads as uids, one uid at a time
     deadlocked every thread)."""
 
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = _POOL_STRIDE) -> None:
+        if not 1 <= size <= _POOL_STRIDE:
+            raise ValueError(f"a uid pool holds 1 to {_POOL_STRIDE} uids, not {size}")
         self.size = size
-        base = 1_000_000 + (os.getpid() % 1_000_000) * size
+        base = _POOL_BASE + (os.getpid() % 1_000_000) * _POOL_STRIDE  # the owner is found back from a uid
         self._free = list(range(base, base + size))
         self._cond = threading.Condition()
 
@@ -72,6 +110,8 @@ def _uid_pool() -> _UidPool:
     global _UIDS
     with _UIDS_LOCK:
         if _UIDS is None:
+            if os.geteuid() == 0:
+                reap_stale_uids(before_first_run=True)
             _UIDS = _UidPool()
         return _UIDS
 
@@ -133,6 +173,31 @@ def _weak_allowed() -> bool:
     return _flag(WEAK_FLAG)
 
 
+def _accepted_missing() -> set[str]:
+    """The layers the user accepts to run without (``VPO_SANDBOX_ALLOW_MISSING``; none with ``VPO_SANDBOX_STRICT=1``).
+
+    Raises:
+        SandboxUnavailable: the variable names something that is not a layer.
+    """
+    names = {n.strip().lower() for n in os.environ.get(ALLOW_MISSING_FLAG, "").split(",") if n.strip()}
+    unknown = names - set(LAYERS)
+    if unknown:
+        raise SandboxUnavailable(f"{ALLOW_MISSING_FLAG}={os.environ[ALLOW_MISSING_FLAG]}: {', '.join(sorted(unknown))} "
+                                 f"is not a sandbox layer; name some of: {', '.join(LAYERS)}")
+    return set() if _flag(STRICT_FLAG) else names
+
+
+def _refusal(missing: tuple[str, ...]) -> str:
+    """'' if every missing layer is accepted by name, else why the sandbox refuses and how to go on."""
+    layers, accepted = [m.split(":", 1)[0] for m in missing], _accepted_missing()
+    refused = [m for m, layer in zip(missing, layers) if layer not in accepted]
+    if not refused:
+        return ""
+    return ("this machine's isolation lacks " + "; ".join(refused) + ". Fix that, or accept the weaker isolation by "
+            f"name: {ALLOW_MISSING_FLAG}={','.join(dict.fromkeys(layers))}"
+            + (f" (and unset {STRICT_FLAG})" if _flag(STRICT_FLAG) else ""))
+
+
 def _detect() -> _Isolation:
     forced = os.environ.get("VPO_SANDBOX_ISOLATION", "auto").strip().lower() or "auto"
     bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
@@ -156,7 +221,7 @@ def _detect() -> _Isolation:
                 continue
             iso = _with_layers(_Isolation(kind, python, bwrap, setpriv if kind == "root" else None, binds))
             error = _probe(iso)
-            for layer in ("cgroups", "seccomp"):  # a layer the kernel refuses is dropped, with a WARNING
+            for layer in ("cgroups", "seccomp"):  # a layer the kernel refuses is dropped (then refused below)
                 if error and getattr(iso, layer) is not None and not _probe(replace(iso, **{layer: None})):
                     iso = replace(iso, **{layer: None}, missing=(*iso.missing, f"{layer}: refused here "
                                                                  f"({error.strip()[-200:]})"))
@@ -164,9 +229,9 @@ def _detect() -> _Isolation:
             if error:
                 why.append(f"{kind} with {python}: {error}")
                 continue
-            if iso.missing and _flag(STRICT_FLAG):
-                return _Isolation("unavailable", "", reason=f"{STRICT_FLAG}=1 and this machine lacks: "
-                                  + "; ".join(iso.missing))
+            refusal = _refusal(iso.missing)
+            if refusal:
+                return _Isolation("unavailable", "", reason=f"{kind}: {refusal}", missing=iso.missing)
             return iso
     reason = "; ".join(why) or f"VPO_SANDBOX_ISOLATION={forced}"
     if _weak_allowed() and forced in ("auto", "weak"):
@@ -186,8 +251,9 @@ def _with_layers(iso: _Isolation) -> _Isolation:
                                   "make any system call their namespaces allow"]
     cgroups, why = _cgroups()
     if cgroups is None:
-        missing.append(f"cgroup limits: {why}; memory, tasks and CPU are then limited per process (RLIMIT_AS, "
-                       "RLIMIT_NPROC, RLIMIT_CPU), so one run can hold max_procs x memory_mb and several cores")
+        missing.append(f"cgroups: {why}; memory, tasks and CPU are then limited per process (RLIMIT_AS, "
+                       "RLIMIT_NPROC, RLIMIT_CPU), so one run can hold max_procs x memory_mb (and socket buffers) and "
+                       "several cores")
     return replace(iso, seccomp=program, cgroups=cgroups, missing=tuple(missing))
 
 
@@ -209,17 +275,22 @@ def _probe(iso: _Isolation) -> str:
 
 
 def _isolation() -> _Isolation:
+    """The isolation here (probed at the first call). From the main thread, it also makes sure that SIGTERM ends
+    this process's sandboxes (:func:`._process.end_all_on_sigterm`)."""
     global _ISO
+    from ._process import end_all_on_sigterm  # _process imports this module
+
+    end_all_on_sigterm()
     with _ISO_LOCK:
         if _ISO is None:
             _ISO = _detect()
             if _ISO.kind in ("root", "userns"):
                 log.info("sandbox isolation: %s (bubblewrap: own mount/PID/network/IPC namespaces, %s, seccomp %s, "
                          "python %s)", _ISO.kind, "private uid per run" if _ISO.kind == "root" else "the caller's uid",
-                         "on" if _ISO.seccomp else "OFF", _ISO.python)
+                         "allow-list" if _ISO.seccomp else "OFF", _ISO.python)
                 for gap in _ISO.missing:
-                    log.warning("sandbox isolation is weaker than it should be: %s (set %s=1 to refuse to run "
-                                "instead)", gap, STRICT_FLAG)
+                    log.warning("sandbox isolation is weaker than it should be, accepted by %s: %s", ALLOW_MISSING_FLAG,
+                                gap)
             elif _ISO.kind == "weak":
                 log.warning("sandbox isolation: WEAK (%s=1): model-written code runs with no kernel isolation, only "
                             "rlimits and an audit hook; it can read the filesystem. Why no isolation: %s",
@@ -229,6 +300,17 @@ def _isolation() -> _Isolation:
         return _ISO
 
 
+def refusal_message(iso: _Isolation) -> str:
+    """Why the sandbox refuses to run code with ``iso`` and how to go on ('' when it runs code)."""
+    if iso.kind != "unavailable":
+        return ""
+    if iso.missing:  # kernel isolation, but a layer is missing and not accepted by name
+        return f"the sandbox refuses to run untrusted code: {iso.reason}"
+    return ("the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
+            f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
+            f"isolation (the candidate can then read this machine's files). Why: {iso.reason}")
+
+
 def isolation_info() -> dict[str, Any]:
     """The sandbox mode here: ``{"kind": "root"|"userns"|"weak"|"unavailable", "python": path, ...}``."""
     iso = _isolation()
@@ -236,4 +318,4 @@ def isolation_info() -> dict[str, Any]:
     return {"kind": iso.kind, "python": iso.python, "kernel_isolation": strong, "network_namespace": strong,
             "pid_namespace": strong, "mount_namespace": strong, "private_uid": iso.kind == "root",
             "seccomp": iso.seccomp is not None, "cgroup": iso.cgroups.version if iso.cgroups else None,
-            "missing": list(iso.missing), "reason": iso.reason}
+            "missing": list(iso.missing), "reason": iso.reason, "refusal": refusal_message(iso)}

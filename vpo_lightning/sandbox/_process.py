@@ -9,18 +9,19 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+import weakref
 from functools import lru_cache
 from typing import Any
 
-from ._modes import _Isolation, _isolation, _uid_pool
+from ._modes import _Isolation, _isolation, _uid_pool, refusal_message
 from ._types import (
     _BOX,
     _CHILD_FILES,
     _HERE,
     _LAUNCHER_TASKS,
     _LIB,
-    WEAK_FLAG,
     SandboxLimits,
     SandboxUnavailable,
     _boot,
@@ -53,6 +54,60 @@ def _remove_dir(path: str) -> None:
     shutil.rmtree(path, onerror=retry)
 
 
+_LIVE: weakref.WeakSet[_Child] = weakref.WeakSet()  # every child started and not yet closed, for :func:`end_all`
+_LIVE_LOCK = threading.Lock()
+_SIGTERM_LOCK = threading.Lock()
+_SIGTERM_CHAINED: list[Any] = []  # the handler :func:`end_all_on_sigterm` replaced (empty: not installed yet)
+
+
+def end_all() -> int:
+    """SIGKILL every sandbox this process started and has not closed (async-signal safe enough for a Python signal
+    handler: no waiting, no lock held by the interrupted code). Returns how many were running.
+
+    Killing a run's launcher (bubblewrap's outer process, the leader of its own process group) ends its namespace's
+    init, which the kernel ends with every process in the namespace."""
+    ended, children = 0, []
+    for _ in range(3):  # another thread may add a child while the set is copied
+        try:
+            children = list(_LIVE)
+            break
+        except RuntimeError:
+            continue
+    for child in children:
+        proc = getattr(child, "proc", None)
+        if proc is not None and proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+                ended += 1
+            except OSError:
+                pass
+    return ended
+
+
+def end_all_on_sigterm() -> bool:
+    """Make SIGTERM end every sandbox of this process first, then do what the handler it replaces did (the default
+    ends the process; a handler that only takes note, as Lightning's does, keeps it running). Installed once; only
+    the main thread can install signal handlers, so from another thread this does nothing and returns False."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _SIGTERM_LOCK:
+        if _SIGTERM_CHAINED:
+            return True
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            end_all()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # the default (or a handler not set from Python): end the process
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        _SIGTERM_CHAINED.append(previous)
+        return True
+
+
 class _Child:
     """One sandboxed interpreter: its process, uid and pipes, and how to kill and clean it."""
 
@@ -60,10 +115,7 @@ class _Child:
                  iso: _Isolation | None = None, uid: int | None = None) -> None:
         self.iso = iso or _isolation()
         if self.iso.kind == "unavailable":
-            raise SandboxUnavailable(
-                "the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
-                f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
-                f"isolation (the candidate can then read this machine's files). Why: {self.iso.reason}")
+            raise SandboxUnavailable(refusal_message(self.iso))
         # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one
         self.own_uid = uid is None and self.iso.kind == "root"
         self.uid = _uid_pool().acquire()[0] if self.own_uid else uid if self.iso.kind == "root" else None
@@ -98,6 +150,8 @@ class _Child:
                 stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, pass_fds=tuple(fds),
                 start_new_session=True,
             )
+            with _LIVE_LOCK:
+                _LIVE.add(self)
         except BaseException:
             self.close()
             raise
@@ -111,9 +165,12 @@ class _Child:
                                               "--clear-groups", "--"]
         main_fd, child_fd, codec_fd = files[:3]
         seccomp = ["--seccomp", str(files[3])] if len(files) > 3 else []
+        # No --as-pid-1: bubblewrap's own init is PID 1 of the namespace (the candidate is PID 2 and cannot clear
+        # the init's parent-death signal), --die-with-parent ties that init to the launcher and the launcher to
+        # the trainer, and when PID 1 ends the kernel kills everything in the namespace.
         return [
             *prefix, iso.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--as-pid-1", "--new-session", *seccomp,
+            "--new-session", *seccomp,
             "--proc", "/proc", "--dev", "/dev", *iso.binds,
             "--size", str(limits.max_disk_mb << 20), "--perms", "0700", "--tmpfs", _BOX,
             "--symlink", _BOX, "/tmp", "--symlink", _BOX, "/var/tmp",
@@ -160,6 +217,8 @@ class _Child:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         for stream in (proc.stdin, proc.stdout, proc.stderr) if proc else ():
             if stream is not None:
                 try:

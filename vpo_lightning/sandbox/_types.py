@@ -10,8 +10,12 @@ _CHILD_FILES = ("_child.py", "_codec.py")
 _BOX = "/sandbox"  # the run directory inside the sandbox (a size-capped tmpfs)
 _LIB = "/opt/vpo-sandbox"  # where the child's bootstrap modules are copied inside the sandbox
 WEAK_FLAG = "VPO_SANDBOX_ALLOW_WEAK_ISOLATION"
-_LAUNCHER_TASKS = 2  # tasks of a run that are not the candidate's: bubblewrap's outer process and a spare
-STRICT_FLAG = "VPO_SANDBOX_STRICT"  # a layer missing here (seccomp, cgroup limits) is an error, not a WARNING
+_LAUNCHER_TASKS = 3  # tasks of a run that are not the candidate's: bubblewrap's outer process, its init (PID 1 of the
+# namespace) and a spare
+# A layer missing here (seccomp, cgroups) is an error unless this names it: VPO_SANDBOX_ALLOW_MISSING=cgroups,seccomp
+ALLOW_MISSING_FLAG = "VPO_SANDBOX_ALLOW_MISSING"
+LAYERS = ("seccomp", "cgroups")
+STRICT_FLAG = "VPO_SANDBOX_STRICT"  # =1: refuse a missing layer even when VPO_SANDBOX_ALLOW_MISSING names it
 
 
 def _boot(lib: str) -> str:

@@ -18,6 +18,7 @@ A non-empty run folder is refused unless resuming or ``--overwrite``; ``vpo vali
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -57,10 +58,49 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+def sandboxed_rewards(names: list[str]) -> list[str]:
+    """The rewards among ``names`` that run model-written code (their function's module uses
+    :mod:`vpo_lightning.sandbox`); unknown names are left to the reward lookup's own error."""
+    from vpo_lightning.rewards import get_reward
+
+    found = []
+    for name in names:
+        try:
+            fn = get_reward(name).fn
+        except (ValueError, ImportError, AttributeError):
+            continue
+        module = sys.modules.get(getattr(fn, "__module__", ""))
+        if module is not None and any(str(getattr(v, "__module__", "")).startswith("vpo_lightning.sandbox")
+                                      for v in vars(module).values()):
+            found.append(name)
+    return found
+
+
+def sandbox_summary(names: list[str]) -> dict[str, Any] | None:
+    """The sandbox isolation a run with rewards ``names`` uses (None when no reward runs model-written code).
+
+    Raises:
+        ValueError: the sandbox refuses to run code here; the message says why and how to go on.
+    """
+    rewards = sandboxed_rewards(names)
+    if not rewards:
+        return None
+    from vpo_lightning import sandbox
+
+    try:
+        info = sandbox.isolation_info()
+    except sandbox.SandboxUnavailable as err:  # a setting that names no layer
+        raise ValueError(str(err)) from None
+    if info["kind"] == "unavailable":
+        raise ValueError(f"rewards {', '.join(rewards)} run model-written code; {info['refusal']}")
+    return {"rewards": rewards, **info}
+
+
 class VPOCLI(LightningCLI):
     """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
 
     run_folder: run_folders.RunFolder | None = None
+    sandbox: dict[str, Any] | None = None  # the isolation of a run whose rewards run model-written code
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_callback", run_folders.RunConfigSaver)
@@ -117,6 +157,7 @@ class VPOCLI(LightningCLI):
             problems = config_check.preflight(cfg)
             if problems:
                 raise ValueError("\n  ".join(problems))
+            self.sandbox = sandbox_summary(list(get(cfg, "rollout.rewards") or []))
         run_dir = Path(OUTPUT_ROOT) / cfg["run_name"]
         training = self.subcommand == "fit"
         log_dir = run_dir if training else run_dir / str(self.subcommand)  # validate/test: <run>/validate/version_N
@@ -160,6 +201,24 @@ class VPOCLI(LightningCLI):
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
             print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
+            self._report_sandbox(path.parent)
+
+    def before_validate(self) -> None:
+        """Print and record the sandbox isolation, as :meth:`before_fit` does."""
+        if self.trainer.is_global_zero:
+            self._report_sandbox(Path(self.trainer.log_dir or self.trainer.default_root_dir))
+
+    def _report_sandbox(self, folder: Path) -> None:
+        """Print the isolation of a run whose rewards run model-written code and write it to ``sandbox.json``."""
+        if self.sandbox is None:
+            return
+        info = self.sandbox
+        missing = f", accepted missing: {'; '.join(info['missing'])}" if info["missing"] else ""
+        print(f"sandbox isolation: {info['kind']} (seccomp {'on' if info['seccomp'] else 'OFF'}, cgroup "
+              f"{info['cgroup'] or 'none'}{missing}) for {', '.join(info['rewards'])}; recorded in "
+              f"{folder / 'sandbox.json'}", flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 def _last_checkpoint(run_dir: str) -> str:

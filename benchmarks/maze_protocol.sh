@@ -26,6 +26,11 @@
 # adapter to evaluate, e.g. 40 for checkpoints/<run>/adapters/step=40, the checkpoint a validation rule chose],
 # SAVE_ADAPTER [1: the evaluated adapter's weights, config and card are recorded beside eval.json, under adapter/].
 #
+# TASK [maze]: tooluse runs the same protocol on BFCL tool use (issue 51): configs/tooluse{,_grpo,_multi_rlvr}.yaml,
+# SFT_ADAPTER [checkpoints/tooluse-sft/adapters/last], RESULTS_DIR [docs/results/tooluse], PREFIX [tooluse],
+# EVAL_MAX_NEW_TOKENS [640, the chain budget], and each evaluation also gets BFCL's own checker (bfcl.json,
+# python -m vpo_lightning.tasks.tooluse.bfcl_check).
+#
 # Smoke run on the random tiny model (numbers meaningless, a few minutes): see tests/test_maze_protocol.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +39,18 @@ if [[ -z "${PY:-}" ]]; then
 fi
 vpo() { "$PY" -m vpo_lightning.cli "$@"; }
 RESULTS_REPO=${RESULTS_REPO:-.}
-RESULTS_DIR=${RESULTS_DIR:-docs/results/maze}
+TASK=${TASK:-maze}
+case "$TASK" in
+  maze) CFG=configs/maze5 DEFAULT_PREFIX=maze5 DEFAULT_TOKENS=256 ;;
+  tooluse) CFG=configs/tooluse DEFAULT_PREFIX=tooluse DEFAULT_TOKENS=640 ;;
+  *) echo "TASK=$TASK: use maze or tooluse" >&2; exit 2 ;;
+esac
+RESULTS_DIR=${RESULTS_DIR:-docs/results/$TASK}
 
 if [[ "${1:-}" == report ]]; then
+  if [[ "$TASK" != maze ]]; then  # no maze-only sections (cold-start gate, step-50, checkpoint sweeps)
+    exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" --out "$RESULTS_REPO/docs/results_$TASK.md"
+  fi
   midpoint=()  # the post-hoc step-50 evaluations, where they exist
   [[ -d "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}" ]] \
     && midpoint=(--midpoint "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}")
@@ -49,11 +63,11 @@ fi
 
 METHOD=${METHOD:?set METHOD to vpo, grpo, multi_rlvr, sft_single or sft_chains}
 SEED=${SEED:-0}
-SFT_ADAPTER=${SFT_ADAPTER:-checkpoints/maze5-sft/adapters/last}
+SFT_ADAPTER=${SFT_ADAPTER:-checkpoints/$([[ $TASK == maze ]] && echo maze5 || echo "$TASK")-sft/adapters/last}
 N=${N:-24}
 PROMPTS=${PROMPTS:-50}
 TEMPERATURE=${TEMPERATURE:-0.7}
-EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-256}
+EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-$DEFAULT_TOKENS}
 THREADS=${THREADS:-1}
 DATA_SEED=${DATA_SEED:-$SEED}
 STEP=${STEP:-last}
@@ -61,17 +75,17 @@ SAVE_ADAPTER=${SAVE_ADAPTER:-1}
 LR_ARG=()
 [[ -n "${LR:-}" ]] && LR_ARG=(--model.optim.lr "$LR")
 COMMIT=${COMMIT:-1}
-PREFIX=${PREFIX:-maze5}
+PREFIX=${PREFIX:-$DEFAULT_PREFIX}
 read -r -a FIT_EXTRA <<< "${EXTRA_FIT:-}"
 read -r -a EVAL_EXTRA <<< "${EXTRA_EVAL:-}"
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 case "$METHOD" in
-  vpo|sft_chains) CONFIG=configs/maze5.yaml ;;
-  grpo|sft_single) CONFIG=configs/maze5_grpo.yaml ;;
-  multi_rlvr) CONFIG=configs/maze5_multi_rlvr.yaml ;;
+  vpo|sft_chains) CONFIG=$CFG.yaml ;;
+  grpo|sft_single) CONFIG=${CFG}_grpo.yaml ;;
+  multi_rlvr) CONFIG=${CFG}_multi_rlvr.yaml ;;
   *) echo "METHOD=$METHOD: use vpo, grpo, multi_rlvr, sft_single or sft_chains" >&2; exit 2 ;;
 esac
-[[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config configs/maze5_sft.yaml" >&2; exit 2; }
+[[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config ${CFG}_sft.yaml" >&2; exit 2; }
 NAME="${METHOD}-s$SEED"
 RUN="$PREFIX-${METHOD//_/-}-s$SEED"
 EVAL_DIR="checkpoints/$PREFIX-eval/$NAME$([[ "$STEP" == last ]] || echo "-step$STEP")"
@@ -123,6 +137,10 @@ mkdir -p "$OUT"
 cp "$EVAL_DIR/eval.json" "$OUT/eval.json"
 cp "$TIMES" "$OUT/times.tsv"
 "$PY" benchmarks/maze_report.py --positions "$EVAL_DIR" > "$OUT/positions.json"
+if [[ "$TASK" == tooluse ]]; then  # BFCL's own checker on every answer (what a BFCL user reads)
+  [[ -f "$EVAL_DIR/bfcl.json" ]] || "$PY" -m vpo_lightning.tasks.tooluse.bfcl_check "$EVAL_DIR"
+  cp "$EVAL_DIR/bfcl.json" "$OUT/bfcl.json"
+fi
 if [[ "$METHOD" != sft_* ]]; then
   "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
   "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
@@ -142,7 +160,7 @@ if [[ "$COMMIT" == 1 ]]; then
       if git -C "$RESULTS_REPO" diff --cached --quiet -- "$RESULTS_DIR/$NAME"; then
         echo "=== nothing new to commit in $RESULTS_DIR/$NAME"; break
       fi
-      if git -C "$RESULTS_REPO" commit -q -m "maze results: $NAME (benchmarks/maze_protocol.sh, commit $(cut -c1-7 "$OUT/commit.txt"))" \
+      if git -C "$RESULTS_REPO" commit -q -m "$TASK results: $NAME (benchmarks/maze_protocol.sh, commit $(cut -c1-7 "$OUT/commit.txt"))" \
            -- "$RESULTS_DIR/$NAME"; then
         echo "=== committed $RESULTS_DIR/$NAME"; break
       fi

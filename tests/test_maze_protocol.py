@@ -74,6 +74,38 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
         subprocess.run(["rm", "-rf", *[str(p) for p in (ROOT / "checkpoints").glob(f"{prefix}-*")]], check=False)
 
 
+@pytest.mark.slow
+def test_protocol_runs_tool_use_with_bfcls_checker(tmp_path: Path) -> None:
+    """TASK=tooluse (issue 51): the reference's Multi-RLVR on tool use trains, is evaluated, gets BFCL's checker
+    (bfcl.json beside eval.json) and is committed; the report goes to docs/results_tooluse.md."""
+    results = tmp_path / "results_repo"
+    results.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=results, check=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PY": sys.executable, "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    prefix = f"pytest-tool-{os.getpid()}"
+    adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
+    try:
+        _run([sys.executable, "-m", "vpo_lightning.cli", "sft", "--config", "configs/tooluse_sft.yaml",
+              "--model.model.name", "tiny-llama", "--trainer.max_steps", "1", "--run_name", f"{prefix}-sft",
+              "--data.max_train_examples", "4", "--data.batch_size", "2", "--trainer.val_check_interval", "1"],
+             env, ROOT)
+        env.update(TASK="tooluse", METHOD="multi_rlvr", SEED="0", PREFIX=prefix, SFT_ADAPTER=str(adapter), N="3",
+                   PROMPTS="2", RESULTS_REPO=str(results), EXTRA_FIT=TINY_FIT, EXTRA_EVAL=TINY_EVAL,
+                   EVAL_MAX_NEW_TOKENS="16", MAX_STEPS="1")
+        out = _run(["bash", "benchmarks/maze_protocol.sh"], env, ROOT)
+        assert "=== committed docs/results/tooluse/multi_rlvr-s0" in out and "BFCL checker pass@1" in out
+        run = results / "docs" / "results" / "tooluse" / "multi_rlvr-s0"
+        bfcl = json.loads((run / "bfcl.json").read_text())
+        assert bfcl["num_prompts"] == 2 and len(bfcl["checker_pass_at_k"]) == 3
+        assert all(len(p["correct"]) == 3 for p in bfcl["prompts"])
+        _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
+        text = (results / "docs" / "results_tooluse.md").read_text()
+        assert text.startswith("# Tool use (BFCL") and "| Multi-RLVR | multi_rlvr | 3 | 1 | 2 |" in text
+    finally:
+        subprocess.run(["rm", "-rf", *[str(p) for p in (ROOT / "checkpoints").glob(f"{prefix}-*")]], check=False)
+
+
 def test_tradeoff_metrics_exact_values() -> None:
     """Four answers: a whole-gold route, a whole-diamond route, an unparsed one (zeros) and an exit with neither
     zone: exit pass@1 = 3/4; any 2 include an exit; of the 6 pairs only {gold, diamond} covers both trade-offs."""

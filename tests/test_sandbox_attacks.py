@@ -875,6 +875,9 @@ def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
                 time.monotonic() < end:
             time.sleep(0.05)
         (inner,) = map(int, Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split())
+        end = time.monotonic() + 10  # bubblewrap writes the child's uid map after the fork: wait for it (loaded CI)
+        while Path(f"/proc/{inner}/uid_map").read_text().split() != [uid, uid, "1"] and time.monotonic() < end:
+            time.sleep(0.05)
         killed = _modes.reap_stale_uids()
         assert inner in killed and outer.pid not in killed
         assert outer.wait(10) != 0

@@ -6,11 +6,16 @@
          -d '{"model": "vpo", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 32}'
 
 Endpoints: ``POST /v1/chat/completions`` (``messages``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``; vLLM's ``top_k`` and ``ignore_eos`` extensions), ``GET /v1/models``,
-``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's chat template
-(:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training. No streaming. A request with a
-``seed`` is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
-the batch is the same); ``--ignore-seed`` drops seeds so that they batch with everything.
+``max_completion_tokens``, ``stop``, ``seed``, ``stream`` with ``stream_options.include_usage``, ``logprobs`` /
+``top_logprobs``, ``tools`` with ``tool_choice`` "auto" or "none"; vLLM's ``top_k`` and ``ignore_eos`` extensions),
+``GET /v1/models``, ``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's
+chat template (:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training; ``tools`` go to the
+template, or, when the template ignores them (SmolLM2's), into the tool-use task's system message
+(:func:`vpo_lightning.tasks.tooluse.build_messages`); ``<tool_call>`` blocks in the answer come back as OpenAI
+``tool_calls``. Every other field, and every value the server cannot honour, is a 400 naming it
+(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` is batched only with requests of the
+same seed, and the sampler is seeded before that batch (reproducible when the batch is the same); ``--ignore-seed``
+drops seeds so that they batch with everything.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
 the adapter is served under ``--adapter-name`` (default ``vpo``) and the base name runs the same weights with the
@@ -42,8 +47,9 @@ is ours whichever server fronts it; LitServe's batcher groups requests by arriva
 would be an HTTP shell around this same worker. What uvicorn would add is asynchronous connections with header and
 keep-alive timeouts; the threads here get the same protection from the connection cap with idle eviction and the
 idle timeout (tested with more idle connections than the cap). None of these packages is installed or in the lock
-file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand
-with no streaming. Revisit if streaming (server-sent events) is wanted: that is where FastAPI clearly wins.
+file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand.
+Streaming (issue 53) needed no more than a chunked HTTP/1.1 body of server-sent events written by the handler thread
+(:meth:`Handler._stream`), fed by the worker through a queue per request.
 """
 
 from __future__ import annotations
@@ -641,6 +647,9 @@ class Handler(BaseHTTPRequestHandler):
         if allowed:
             self._error(APIError(405, f"method {method} is not allowed on {path}; use {', '.join(allowed)}",
                                  code="method_not_allowed"), {"Allow": ", ".join(allowed)})
+        elif path in ("/v1/completions", "/v1/embeddings", "/v1/responses"):
+            self._error(APIError(404, f"{path} is not implemented by vpo serve; send chat messages to POST "
+                                      "/v1/chat/completions", code="not_found"))
         else:
             self._error(APIError(404, f"no route {method} {path}; routes: POST /v1/chat/completions, "
                                       "GET /v1/models, GET /health", code="not_found"))

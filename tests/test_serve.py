@@ -526,7 +526,7 @@ def _token_ids(tokenizer, entries) -> list[int]:
 def test_openai_client_streams_what_it_would_answer(server, client):
     """stream=True (with n=2, include_usage and a stop string) gives, chunk by chunk, exactly the text, finish
     reason and usage of the same request unstreamed; the old server refused stream=True with a 400."""
-    for extra in ({}, {"stop": ["e"]}):
+    for extra in ({}, {"stop": ["e"]}, {"tools": WEATHER, "stop": ["a"]}):
         kwargs = dict(model="vpo", messages=MSG, n=2, max_tokens=12, temperature=0.8, seed=3, **extra)
         plain = client.chat.completions.create(**kwargs)
         stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -540,13 +540,12 @@ def test_openai_client_streams_what_it_would_answer(server, client):
                 texts[c.index] += c.delta.content or ""
                 finish[c.index] = c.finish_reason or finish[c.index]
         assert roles >= {"assistant"}
-        assert texts == [c.message.content for c in plain.choices], extra
+        assert texts == [c.message.content or "" for c in plain.choices], extra
+        assert not any(stop in text for stop in extra.get("stop", []) for text in texts)
         assert finish == [c.finish_reason for c in plain.choices]
         assert usage is not None and usage.model_dump() == plain.usage.model_dump(include={
             "prompt_tokens", "completion_tokens", "total_tokens"}) | {"completion_tokens_details": None,
                                                                       "prompt_tokens_details": None}
-    stops = [c.message.content for c in plain.choices]
-    assert all("e" not in text for text in stops)
 
 
 def test_openai_client_logprobs_are_those_sampled_from(server, client):
@@ -688,3 +687,34 @@ def test_openai_client_gets_400_for_response_format_and_200_for_neutral_values(c
                                        presence_penalty=0, frequency_penalty=0, store=False, user="u1",
                                        parallel_tool_calls=True, tools=WEATHER, tool_choice="auto")
     assert len(r.choices) == 1
+
+
+def test_a_stream_that_fails_early_is_a_plain_error_and_a_hang_up_frees_its_slot(server, client):
+    """A streamed request refused before its first token (429 here) gets a plain error the client raises; a client
+    that hangs up mid-stream frees its slot (no request stays in flight) and is no server error."""
+    import socket
+    import time
+
+    with server._lock:
+        server._in_flight += server.settings.max_concurrency
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2, stream=True)
+    finally:
+        with server._lock:
+            server._in_flight -= server.settings.max_concurrency
+    body = json.dumps({"messages": MSG, "max_tokens": 32, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = sock.recv(4096)
+    assert b"200 OK" in head and b"text/event-stream" in head, head
+    sock.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = _raw(server, "GET", "/stats")[1]
+        if stats["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["in_flight"] == 0 and stats["http_5xx"] == 0
+    assert client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2).choices

@@ -12,6 +12,8 @@ the call applies temperature, top-k and top-p itself (transformers' own warpers,
 logits processor keeps the log-softmax of the scores sampling then draws from; after each step the sampled token's
 log-prob and the step's top alternatives are recorded per row, and tokens of streaming jobs are handed to their
 queue as they are generated. With temperature 0 (greedy) the log-probs are those of the unscaled distribution.
+Sampling applies the request's temperature, top-k and top-p only: min-p, typical-p and the epsilon/eta cutoffs of a
+model's ``generation_config.json`` are switched off (transformers would add them after the recorder).
 """
 
 from __future__ import annotations
@@ -343,6 +345,8 @@ class BatchGenerator:
         if any(job.logprobs is not None or job.events is not None for job in jobs):
             streams = [(job.events, i) if job.events is not None else None for job in jobs for i in range(job.n)]
             recorder = StepRecorder(max(job.logprobs or 0 for job in jobs), streams, self.eos)
+        if key.temperature > 0:  # only the request's warpers: none from the model's generation_config.json
+            kwargs.update(min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
         if key.temperature > 0 and recorder is not None:
             # the warpers transformers would add, in its order, then the recorder: it sees what sampling draws from
             warpers: list[Any] = []

@@ -718,3 +718,29 @@ def test_a_stream_that_fails_early_is_a_plain_error_and_a_hang_up_frees_its_slot
         time.sleep(0.1)
     assert stats["in_flight"] == 0 and stats["http_5xx"] == 0
     assert client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2).choices
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_unchanged(server):
+    """With a chat template that writes tools (as Qwen2.5's does), the tools and an earlier assistant call go to the
+    template as OpenAI sent them, and no tool-use system message is added."""
+    import copy
+
+    tok = copy.deepcopy(server.generator.tokenizer)
+    tok.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+        "[call {{ c.function.name }} {{ c.function.arguments }}]{% endfor %}|{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    srv = build_server(server.generator.model, tok, base_name="tiny-llama", adapter_name="vpo", port=0,
+                       settings=ServeSettings(max_n=4, max_batch_size=16))
+    try:
+        assert srv.template_tools and not server.template_tools
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+        turn = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+        job, request = srv.build_job({"model": "vpo", "messages": turn, "tools": WEATHER})
+        assert tok.decode(job.prompt_ids) == ('TOOLS:get_weather;|user: Weather?|assistant: '
+                                              '[call get_weather {"city": "P"}]|tool: 18C|assistant: ')
+        assert request.tools == WEATHER
+    finally:
+        srv.server_close()

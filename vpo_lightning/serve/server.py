@@ -502,7 +502,7 @@ class OpenAIServer(ThreadingHTTPServer):
                 if end > first:
                     logprobs = None if request.logprobs is None else \
                         {"content": entries(state, first, end), "refusal": None}
-                    if delta or logprobs:
+                    if delta or (logprobs and logprobs["content"]):
                         yield chunk([{"index": index, "delta": {"content": delta}, "logprobs": logprobs,
                                       "finish_reason": None}])
             choices = self._result(future, 0)

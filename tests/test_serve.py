@@ -664,6 +664,8 @@ UNSUPPORTED = [
     ({"logprobs": "yes"}, "logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages.[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages.[0].audio"),
 ]
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MESSAGE_KEYS = frozenset({"role", "content", "name"})  # and tool_calls/tool_call_id on assistant/tool messages
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_STOPS = 4  # OpenAI allows up to 4 stop sequences
@@ -273,6 +274,13 @@ def parse_messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"{param}.role must be one of {sorted(ROLES)}, got {json.dumps(role)[:40]}",
                               f"{param}.role")
+        allowed = MESSAGE_KEYS | ({"tool_calls", "refusal", "annotations"} if role == "assistant" else set()) \
+            | ({"tool_call_id"} if role == "tool" else set())
+        extra = sorted(k for k, v in message.items() if k not in allowed and v not in (None, [], ""))
+        if extra:
+            raise bad_request(f"{param}.{extra[0]} is not supported on a {role} message by vpo serve (it reads "
+                              f"{', '.join(sorted(allowed))}); leave it out", f"{param}.{extra[0]}",
+                              "unsupported_parameter")
         content = message.get("content")
         calls = message.get("tool_calls") if role == "assistant" else None
         if content is None and calls:
@@ -282,6 +290,8 @@ def parse_messages(raw: Any) -> list[dict[str, Any]]:
             entry["tool_calls"] = _message_tool_calls(calls, f"{param}.tool_calls")
         if role == "tool" and isinstance(message.get("tool_call_id"), str):
             entry["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]  # for the chat template (SmolLM2's ignores it)
         out.append(entry)
     return out
 

@@ -175,7 +175,7 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
     ("POST", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, 400, "top_p"),
     ("POST", "/v1/chat/completions", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("POST", "/v1/chat/completions", {"messages": MSG, "stream": True}, 400, "stream"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "stream": "yes"}, 400, "stream"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 9000}]}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model"),
     ("POST", "/v1/chat/completions", "x" * 30_000, 413, None),
@@ -356,7 +356,8 @@ def test_any_json_in_any_field_is_a_4xx_or_valid():
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | value,
                                      "content": st.text(max_size=5) | value})
     fields = ["model", "stream", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-              "ignore_eos", "stop", "seed"]
+              "ignore_eos", "stop", "seed", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
+              "parallel_tool_calls", "response_format", "logit_bias", "presence_penalty", "store", "user", "x"]
     body = st.fixed_dictionaries({"messages": st.lists(message, max_size=2) | value},
                                  optional={name: value for name in fields})
     models = {"base": False, "vpo": True}
@@ -506,3 +507,242 @@ def test_a_client_hanging_up_is_not_a_server_error(server, caplog):
         assert not any(r.levelname in ("ERROR", "CRITICAL") for r in caplog.records), caplog.text
     finally:
         srv.close()
+
+
+# ---- issue 53: streaming, logprobs, tools, and a 400 for every field not implemented ------------------------------
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _token_ids(tokenizer, entries) -> list[int]:
+    """The token ids behind OpenAI logprob entries (their exact bytes, through the byte-level BPE alphabet)."""
+    from vpo_lightning.serve.batching import BYTE_DECODER
+
+    encoder = {b: c for c, b in BYTE_DECODER.items()}
+    return tokenizer.convert_tokens_to_ids(["".join(encoder[b] for b in e.bytes) for e in entries])
+
+
+def test_openai_client_streams_what_it_would_answer(server, client):
+    """stream=True (with n=2, include_usage and a stop string) gives, chunk by chunk, exactly the text, finish
+    reason and usage of the same request unstreamed; the old server refused stream=True with a 400."""
+    for extra in ({}, {"stop": ["e"]}, {"tools": WEATHER, "stop": ["a"]}):
+        kwargs = dict(model="vpo", messages=MSG, n=2, max_tokens=12, temperature=0.8, seed=3, **extra)
+        plain = client.chat.completions.create(**kwargs)
+        stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        texts, finish, usage, roles = ["", ""], [None, None], None, set()
+        for chunk in stream:
+            assert chunk.object == "chat.completion.chunk" and chunk.model == "vpo"
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                roles.add(c.delta.role)
+                texts[c.index] += c.delta.content or ""
+                finish[c.index] = c.finish_reason or finish[c.index]
+        assert roles >= {"assistant"}
+        assert texts == [c.message.content or "" for c in plain.choices], extra
+        assert not any(stop in text for stop in extra.get("stop", []) for text in texts)
+        assert finish == [c.finish_reason for c in plain.choices]
+        assert usage is not None and usage.model_dump() == plain.usage.model_dump(include={
+            "prompt_tokens", "completion_tokens", "total_tokens"}) | {"completion_tokens_details": None,
+                                                                      "prompt_tokens_details": None}
+
+
+def test_openai_client_logprobs_are_those_sampled_from(server, client):
+    """logprobs/top_logprobs in OpenAI's shape, for n=2 sampled choices (temperature 0.7, top-p 0.9), equal to a
+    separate forward pass's log-softmax after the same temperature and top-p; the streamed request gives the same
+    entries; the old server answered "logprobs": null."""
+    from transformers import TopPLogitsWarper
+
+    tok = server.generator.tokenizer
+    kwargs = dict(model="vpo", messages=MSG, n=2, max_tokens=6, temperature=0.7, top_p=0.9, seed=5, logprobs=True,
+                  top_logprobs=3, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    prompt = prompt_token_ids(tok, MSG)
+    for choice in r.choices:
+        entries = choice.logprobs.content
+        text = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+        assert len(entries) == 6 and text == choice.message.content
+        ids = _token_ids(tok, entries)
+        with torch.no_grad():
+            logits = server.generator.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(TopPLogitsWarper(0.9)(None, logits / 0.7), dim=-1)
+        for e, token, row in zip(entries, ids, expected):
+            assert e.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert 1 <= len(e.top_logprobs) <= 3 and e.token == bytes(e.bytes).decode("utf-8", "replace")
+            tops = [t.logprob for t in e.top_logprobs]
+            assert tops == sorted(tops, reverse=True) and tops[0] == pytest.approx(row.max().item(), abs=1e-4)
+            assert e.logprob <= tops[0] + 1e-6
+    streamed = [[], []]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    assert [[(e.token, round(e.logprob, 4)) for e in s] for s in streamed] == \
+        [[(e.token, round(e.logprob, 4)) for e in c.logprobs.content] for c in r.choices]
+    greedy = client.chat.completions.create(model="vpo", messages=MSG, max_tokens=4, temperature=0, logprobs=True)
+    assert all(e.top_logprobs == [] for e in greedy.choices[0].logprobs.content)
+    assert client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2).choices[0].logprobs is None
+
+
+def test_openai_client_tools_reach_the_prompt_and_calls_come_back(server, client):
+    """tools go into the prompt (SmolLM2's template ignores them, so the tool-use task's system message carries
+    them: more prompt tokens, exactly that prompt); an answer in the tool-call format comes back as OpenAI
+    tool_calls with finish_reason "tool_calls", streamed or not; a conversation with the call and its result is
+    accepted. The old server counted the same prompt tokens with or without tools and refused role "tool"."""
+    from vpo_lightning.serve import Choice
+    from vpo_lightning.serve.server import tooluse_messages
+
+    tok = server.generator.tokenizer
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    bare = client.chat.completions.create(model="vpo", messages=ask, max_tokens=1)
+    with_tools = client.chat.completions.create(model="vpo", messages=ask, max_tokens=1, tools=WEATHER)
+    expected = prompt_token_ids(tok, tooluse_messages(ask, WEATHER))
+    assert with_tools.usage.prompt_tokens == len(expected) > bare.usage.prompt_tokens
+    assert "get_weather" in tok.decode(expected)
+    none = client.chat.completions.create(model="vpo", messages=ask, max_tokens=1, tools=WEATHER, tool_choice="none")
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens
+
+    gen = server.generator
+    srv = build_server(gen.model, tok, base_name="tiny-llama", adapter_name="vpo", port=0,
+                       settings=ServeSettings(max_n=4, max_batch_size=16, max_tokens_limit=32))
+    answer = ('<think> I need the weather. </think>\n<tool_call>\n{"name": "get_weather", "parameters": '
+              '{"city": "Paris"}}\n</tool_call>')
+    srv.generator.run_batch = lambda jobs: [[Choice(answer, "stop", 20) for _ in range(j.n)] for j in jobs]
+    srv.start()
+    try:
+        scripted = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+        r = scripted.chat.completions.create(model="vpo", messages=ask, tools=WEATHER, n=2)
+        for choice in r.choices:
+            call = choice.message.tool_calls[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris"}
+            assert choice.message.content.strip() == "<think> I need the weather. </think>"
+        assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
+        calls, finish = {}, None
+        for chunk in scripted.chat.completions.create(model="vpo", messages=ask, tools=WEATHER, stream=True):
+            for c in chunk.choices:
+                for d in c.delta.tool_calls or []:
+                    calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls" and calls == {0: ["get_weather", '{"city": "Paris"}']}
+        plain = scripted.chat.completions.create(model="vpo", messages=ask)  # no tools: the text as written
+        assert plain.choices[0].message.content == answer and plain.choices[0].finish_reason == "stop"
+    finally:
+        srv.close()
+
+    call = r.choices[0].message.tool_calls[0]
+    turn = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}]
+    follow = client.chat.completions.create(model="vpo", messages=turn, tools=WEATHER, max_tokens=2)
+    assert follow.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="vpo", messages=ask, tools=WEATHER, tool_choice="required")
+
+
+UNSUPPORTED = [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"store": True}, "store"),
+    ({"min_p": 0.1}, "min_p"),  # an unknown field (a vLLM extension not implemented)
+    ({"tools": WEATHER, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.[0].function.name"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages.[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages.[0].audio"),
+]
+
+
+@pytest.mark.parametrize("extra, param", UNSUPPORTED, ids=[p for _, p in UNSUPPORTED])
+def test_fields_not_implemented_are_a_400_naming_them(server, extra, param):
+    """Each field (or value) vpo serve does not implement is a 400 in OpenAI's shape naming it and the fix; the old
+    server answered 200 and ignored it."""
+    status, payload, _ = _raw(server, "POST", "/v1/chat/completions",
+                              json.dumps({"model": "vpo", "messages": MSG, "max_tokens": 2, **extra}))
+    assert status == 400, payload
+    error = payload["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param.split(".")[0] in error["message"] and len(error["message"]) > 30
+
+
+def test_openai_client_gets_400_for_response_format_and_200_for_neutral_values(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2, response_format={"type": "json_object"})
+    assert err.value.status_code == 400 and "response_format" in str(err.value) and "JSON mode" in str(err.value)
+    r = client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2, response_format={"type": "text"},
+                                       presence_penalty=0, frequency_penalty=0, store=False, user="u1",
+                                       parallel_tool_calls=True, tools=WEATHER, tool_choice="auto")
+    assert len(r.choices) == 1
+
+
+def test_a_stream_that_fails_early_is_a_plain_error_and_a_hang_up_frees_its_slot(server, client):
+    """A streamed request refused before its first token (429 here) gets a plain error the client raises; a client
+    that hangs up mid-stream frees its slot (no request stays in flight) and is no server error."""
+    import socket
+    import time
+
+    with server._lock:
+        server._in_flight += server.settings.max_concurrency
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2, stream=True)
+    finally:
+        with server._lock:
+            server._in_flight -= server.settings.max_concurrency
+    body = json.dumps({"messages": MSG, "max_tokens": 32, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = sock.recv(4096)
+    assert b"200 OK" in head and b"text/event-stream" in head, head
+    sock.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = _raw(server, "GET", "/stats")[1]
+        if stats["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["in_flight"] == 0 and stats["http_5xx"] == 0
+    assert client.chat.completions.create(model="vpo", messages=MSG, max_tokens=2).choices
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_unchanged(server):
+    """With a chat template that writes tools (as Qwen2.5's does), the tools and an earlier assistant call go to the
+    template as OpenAI sent them, and no tool-use system message is added."""
+    import copy
+
+    tok = copy.deepcopy(server.generator.tokenizer)
+    tok.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+        "[call {{ c.function.name }} {{ c.function.arguments }}]{% endfor %}|{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    srv = build_server(server.generator.model, tok, base_name="tiny-llama", adapter_name="vpo", port=0,
+                       settings=ServeSettings(max_n=4, max_batch_size=16))
+    try:
+        assert srv.template_tools and not server.template_tools
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+        turn = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+        job, request = srv.build_job({"model": "vpo", "messages": turn, "tools": WEATHER})
+        assert tok.decode(job.prompt_ids) == ('TOOLS:get_weather;|user: Weather?|assistant: '
+                                              '[call get_weather {"city": "P"}]|tool: 18C|assistant: ')
+        assert request.tools == WEATHER
+    finally:
+        srv.server_close()

@@ -6,12 +6,21 @@ the same :class:`~vpo_lightning.serve.openai_api.SamplingKey` (temperature, top-
 seed, adapter on/off) up to ``max_batch_size`` rows, and runs them as one ``generate`` call; stop strings are checked
 per row while generating. Jobs with other keys wait for the next call. A failed call answers its jobs with a 500
 and is counted in ``stats["errors"]``; the worker keeps serving.
+
+Log-probabilities and streaming (:class:`StepRecorder`): when a job of the call asks for ``logprobs`` or streams,
+the call applies temperature, top-k and top-p itself (transformers' own warpers, in transformers' order) and a last
+logits processor keeps the log-softmax of the scores sampling then draws from; after each step the sampled token's
+log-prob and the step's top alternatives are recorded per row, and tokens of streaming jobs are handed to their
+queue as they are generated. With temperature 0 (greedy) the log-probs are those of the unscaled distribution.
+Sampling applies the request's temperature, top-k and top-p only: min-p, typical-p and the epsilon/eta cutoffs of a
+model's ``generation_config.json`` are switched off (transformers would add them after the recorder).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -31,13 +40,20 @@ SMALL_PROMPT_CHARS = 16_384  # prompts up to this many characters use the shared
 
 @dataclass
 class Job:
-    """One queued request: its prompt, how many choices, its sampling key and stop strings."""
+    """One queued request: its prompt, how many choices, its sampling key and stop strings.
+
+    ``logprobs``: None, or the number of top alternatives to give per token (0-20). ``events``: for a streamed
+    request, a queue that receives ``(choice index, token id, log-prob, [(id, log-prob)...] alternatives)`` for each
+    token as it is generated (and ``None`` when the job is done: the server adds that).
+    """
 
     prompt_ids: list[int]
     n: int
     key: SamplingKey
     stops: tuple[str, ...] = ()
     future: Future = field(default_factory=Future)
+    logprobs: int | None = None
+    events: queue.Queue | None = None
 
 
 @dataclass
@@ -45,6 +61,112 @@ class Choice:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     tokens: int  # generated tokens counted in usage
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI's logprobs.content, one entry per token of text
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE piece uses -> that byte."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = list(visible), 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(visible, chars)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> list[bytes]:
+    """The exact bytes each token stands for (OpenAI's ``bytes``): byte-level BPE pieces through GPT-2's alphabet,
+    SentencePiece byte-fallback pieces (``<0xE2>``) as that byte, other pieces as UTF-8 with ``▁`` as a space."""
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+    out = []
+    for piece in pieces:
+        piece = piece or ""
+        if byte_level and all(c in BYTE_DECODER for c in piece):
+            out.append(bytes(BYTE_DECODER[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("▁", " ").encode("utf-8"))
+    return out
+
+
+def logprob_entries(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float],
+                    tops: Sequence[Sequence[tuple[int, float]]], top: int) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content``: per token its text, log-prob, bytes and up to ``top`` alternatives (those
+    the sampler could draw: alternatives that top-k/top-p ruled out, log-prob -inf, are left out)."""
+    alternatives = sorted({t for row in tops for t, _ in row[:top]})
+    pieces = dict(zip(alternatives, token_bytes(tokenizer, alternatives)))
+    out = []
+    for raw, lp, row in zip(token_bytes(tokenizer, ids), logprobs, tops):
+        out.append({"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw),
+                    "top_logprobs": [{"token": pieces[t].decode("utf-8", "replace"), "logprob": v,
+                                      "bytes": list(pieces[t])} for t, v in row[:top] if v > -float("inf")]})
+    return out
+
+
+class StepRecorder:
+    """The last logits processor and a stopping criterion of a ``generate`` call: records, per row, each sampled
+    token's log-prob under the distribution it was drawn from (the scores after temperature, top-k and top-p) and
+    the step's ``top`` most likely tokens; hands each new token of a streaming row to its queue.
+
+    Args:
+        top: alternatives to keep per step (the most any job of the call asks for).
+        streams: per row, ``(queue, choice index)`` or None.
+        eos: end-of-sequence ids: a row's recording stops after one.
+    """
+
+    def __init__(self, top: int, streams: Sequence[tuple[queue.Queue, int] | None], eos: set[int]) -> None:
+        self.top, self.streams, self.eos = top, list(streams), eos
+        self.ids: list[list[int]] = [[] for _ in streams]
+        self.logprobs: list[list[float]] = [[] for _ in streams]
+        self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in streams]
+        self._step: torch.Tensor | None = None  # [R, V] log-softmax of the current step's processed scores
+        self._done = [False] * len(streams)
+
+    def process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The logits-processor side: keep the step's log-probs; the scores pass unchanged."""
+        self._step = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        """The stopping-criterion side, after the step's tokens were appended: record them; never stops a row."""
+        if self._step is not None:
+            step, self._step = self._step, None
+            chosen = input_ids[:, -1:]  # [R, 1]
+            picked = step.gather(-1, chosen).squeeze(-1).tolist()
+            if self.top:
+                values, indices = step.topk(self.top, dim=-1)  # [R, top]
+                alternatives = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+            else:
+                alternatives = [[] for _ in picked]
+            for row, token in enumerate(chosen.squeeze(-1).tolist()):
+                if self._done[row]:
+                    continue
+                self.ids[row].append(token)
+                self.logprobs[row].append(picked[row])
+                self.tops[row].append(alternatives[row])
+                self._done[row] = token in self.eos
+                if self.streams[row] is not None:
+                    events, index = self.streams[row]
+                    events.put((index, token, picked[row], alternatives[row]))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _Processor:
+    """Adapts :meth:`StepRecorder.process` to transformers' ``LogitsProcessor`` call."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.recorder.process(input_ids, scores)
 
 
 
@@ -203,7 +325,13 @@ class BatchGenerator:
         """One ``generate`` call for all choices of ``jobs`` (which share a :class:`SamplingKey`)."""
         from contextlib import nullcontext
 
-        from transformers import StoppingCriteriaList
+        from transformers import (
+            LogitsProcessorList,
+            StoppingCriteriaList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         from vpo_lightning.generation.engines import left_pad
 
@@ -213,16 +341,38 @@ class BatchGenerator:
         ids, mask = left_pad(rows, self.tokenizer.pad_token_id, self.device)  # [R, P]
         kwargs: dict[str, Any] = {"max_new_tokens": key.max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
                                   "eos_token_id": sorted(self.eos)}
-        if key.temperature > 0:
+        recorder = None
+        if any(job.logprobs is not None or job.events is not None for job in jobs):
+            streams = [(job.events, i) if job.events is not None else None for job in jobs for i in range(job.n)]
+            recorder = StepRecorder(max(job.logprobs or 0 for job in jobs), streams, self.eos)
+        if key.temperature > 0:  # only the request's warpers: none from the model's generation_config.json
+            kwargs.update(min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        if key.temperature > 0 and recorder is not None:
+            # the warpers transformers would add, in its order, then the recorder: it sees what sampling draws from
+            warpers: list[Any] = []
+            if key.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(key.temperature))
+            if key.top_k:
+                warpers.append(TopKLogitsWarper(key.top_k))
+            if key.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(key.top_p))
+            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                          logits_processor=LogitsProcessorList([*warpers, _Processor(recorder)]))
+        elif key.temperature > 0:
             kwargs.update(do_sample=True, temperature=key.temperature, top_p=key.top_p, top_k=key.top_k)
         else:
             kwargs.update(do_sample=False)
+            if recorder is not None:
+                kwargs["logits_processor"] = LogitsProcessorList([_Processor(recorder)])
         if key.ignore_eos:
             kwargs["min_new_tokens"] = key.max_tokens
         criteria = None
+        stopping: list[Any] = [] if recorder is None else [recorder]
         if any(stops):
             criteria = StopOnStrings(self.tokenizer, ids.shape[1], stops, self.tokenizer_lock)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([criteria])
+            stopping.append(criteria)
+        if stopping:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(stopping)
         use_base = not key.adapter and hasattr(self.model, "disable_adapter")
         if key.seed is not None:
             torch.manual_seed(key.seed)
@@ -231,10 +381,14 @@ class BatchGenerator:
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # [R, P + L]
         elapsed = time.perf_counter() - t0
         generated = out[:, ids.shape[1] :].tolist()
+        tops = [job.logprobs for job in jobs for _ in range(job.n)]
         choices: list[Choice] = []
         for r, tokens in enumerate(generated):
-            choices.append(self._choice(tokens, stops[r], None if criteria is None else criteria.stopped_at.get(r),
-                                        key.max_tokens))
+            choice = self._choice(tokens, stops[r], None if criteria is None else criteria.stopped_at.get(r),
+                                  key.max_tokens)
+            if recorder is not None and tops[r] is not None:
+                choice.logprobs = self._logprobs(recorder, r, choice, tops[r])
+            choices.append(choice)
         self._count(jobs, len(rows), sum(c.tokens for c in choices), elapsed)
         grouped, start = [], 0
         for job in jobs:
@@ -257,6 +411,24 @@ class BatchGenerator:
         if hits:
             text, finish = text[: min(hits)], "stop"
         return Choice(text, finish, len(tokens))
+
+    def _logprobs(self, recorder: StepRecorder, row: int, choice: Choice, top: int) -> list[dict[str, Any]]:
+        """The log-prob entries of the tokens of ``choice.text``: its counted tokens less a final end-of-sequence
+        token, and less those wholly past the text where a stop string cut it."""
+        count = min(choice.tokens, len(recorder.ids[row]))
+        ids = recorder.ids[row][:count]
+        if ids and ids[-1] in self.eos:
+            ids = ids[:-1]
+        with self.tokenizer_lock:
+            entries = logprob_entries(self.tokenizer, ids, recorder.logprobs[row], recorder.tops[row], top)
+        size = len(choice.text.encode("utf-8"))
+        if choice.finish_reason != "stop" or size >= sum(len(e["bytes"]) for e in entries):
+            return entries
+        kept, have = 0, 0
+        while kept < len(entries) and have < size:  # cut at a stop string: a token straddling the cut is kept
+            have += len(entries[kept]["bytes"])
+            kept += 1
+        return entries[:kept]
 
     def _count(self, jobs: Sequence[Job], rows: int, tokens: int, elapsed: float) -> None:
         s = self.stats

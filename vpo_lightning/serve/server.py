@@ -6,11 +6,16 @@
          -d '{"model": "vpo", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 32}'
 
 Endpoints: ``POST /v1/chat/completions`` (``messages``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``; vLLM's ``top_k`` and ``ignore_eos`` extensions), ``GET /v1/models``,
-``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's chat template
-(:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training. No streaming. A request with a
-``seed`` is batched only with requests of the same seed, and the sampler is seeded before that batch (reproducible when
-the batch is the same); ``--ignore-seed`` drops seeds so that they batch with everything.
+``max_completion_tokens``, ``stop``, ``seed``, ``stream`` with ``stream_options.include_usage``, ``logprobs`` /
+``top_logprobs``, ``tools`` with ``tool_choice`` "auto" or "none"; vLLM's ``top_k`` and ``ignore_eos`` extensions),
+``GET /v1/models``, ``GET /health`` and ``GET /stats`` (batching counters). Messages are rendered with the tokenizer's
+chat template (:func:`vpo_lightning.generation.models.prompt_token_ids`), exactly as in training; ``tools`` go to the
+template, or, when the template ignores them (SmolLM2's), into the tool-use task's system message
+(:func:`vpo_lightning.tasks.tooluse.build_messages`); ``<tool_call>`` blocks in the answer come back as OpenAI
+``tool_calls``. Every other field, and every value the server cannot honour, is a 400 naming it
+(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` is batched only with requests of the
+same seed, and the sampler is seeded before that batch (reproducible when the batch is the same); ``--ignore-seed``
+drops seeds so that they batch with everything.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
 the adapter is served under ``--adapter-name`` (default ``vpo``) and the base name runs the same weights with the
@@ -42,8 +47,9 @@ is ours whichever server fronts it; LitServe's batcher groups requests by arriva
 would be an HTTP shell around this same worker. What uvicorn would add is asynchronous connections with header and
 keep-alive timeouts; the threads here get the same protection from the connection cap with idle eviction and the
 idle timeout (tested with more idle connections than the cap). None of these packages is installed or in the lock
-file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand
-with no streaming. Revisit if streaming (server-sent events) is wanted: that is where FastAPI clearly wins.
+file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand.
+Streaming (issue 53) needed no more than a chunked HTTP/1.1 body of server-sent events written by the handler thread
+(:meth:`Handler._stream`), fed by the worker through a queue per request.
 """
 
 from __future__ import annotations
@@ -53,12 +59,14 @@ import ipaddress
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,14 +75,136 @@ from typing import Any
 import torch
 
 from vpo_lightning.commands.tools import parse_args
-from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job
-from vpo_lightning.serve.openai_api import APIError, ServeSettings, bad_request, decode_json, parse_chat_request
+from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job, logprob_entries
+from vpo_lightning.serve.openai_api import (
+    APIError,
+    ChatRequest,
+    ServeSettings,
+    bad_request,
+    decode_json,
+    parse_chat_request,
+)
 from vpo_lightning.training.runtime import report_error
 
 log = logging.getLogger(__name__)
 
 OWNER = "vpo-lightning"
 EVICT_WAIT_S = 2.0  # how long a new connection waits for an evicted idle one to release its slot
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+PROBE_TOOL = "vpo_probe_tool"
+
+
+# ---- tools ------------------------------------------------------------------------------------------------------
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes ``tools`` into the prompt (Qwen2.5's does; SmolLM2's ignores
+    them)."""
+    probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "", "parameters": {}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=probe,
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that rejects tools does not render them
+        return False
+    return PROBE_TOOL in text
+
+
+def tool_call_text(calls: list[dict[str, Any]]) -> str:
+    """An assistant message's ``tool_calls`` in the project's format: one ``<tool_call>`` block, a JSON object per
+    line (:mod:`vpo_lightning.tasks.tooluse`)."""
+    lines = []
+    for call in calls:
+        try:
+            arguments = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            arguments = call["function"]["arguments"]
+        lines.append(json.dumps({"name": call["function"]["name"], "parameters": arguments}, ensure_ascii=False))
+    return f"{TOOL_OPEN}\n" + "\n".join(lines) + f"\n{TOOL_CLOSE}"
+
+
+def tooluse_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The messages as the tool-use task writes them, for chat templates that ignore ``tools``: the tools in a
+    leading system message with the answer format (:func:`vpo_lightning.tasks.tooluse.build_messages`, exactly as
+    in training), earlier calls as ``<tool_call>`` blocks in the assistant's text."""
+    from vpo_lightning.tasks.tooluse import build_messages
+
+    plain = []
+    for m in messages:
+        content = m["content"]
+        if m.get("tool_calls"):
+            content = (content + "\n" if content else "") + tool_call_text(m["tool_calls"])
+        plain.append({"role": m["role"], "content": content})
+    if not tools:
+        return plain
+    docs = [{"name": t["function"]["name"], "description": t["function"]["description"],
+             "parameters": t["function"]["parameters"]} for t in tools]
+    return build_messages(docs, plain)
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a completion: the calls of its complete ``<tool_call>`` blocks
+    (:func:`vpo_lightning.tasks.tooluse.calls.parse_output`) in OpenAI's shape, and the text with those blocks
+    removed (None when nothing else is left). Without a call, the text is the content, unchanged."""
+    from vpo_lightning.tasks.tooluse.calls import parse_output
+
+    calls = parse_output(text).calls
+    if not calls:
+        return text, []
+    content, pos = [], 0
+    while (start := text.find(TOOL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CLOSE, start + len(TOOL_OPEN))
+        if end < 0:
+            break
+        content.append(text[pos:start])
+        pos = end + len(TOOL_CLOSE)
+    content.append(text[pos:])
+    rest = "".join(content)
+    return (rest if rest.strip() else None), [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        for name, arguments in calls]
+
+
+def message_of(choice: Choice, request: ChatRequest) -> tuple[dict[str, Any], str]:
+    """The assistant message of a choice and its finish reason (``tool_calls`` when it calls a tool)."""
+    if request.tools is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    content, calls = split_tool_calls(choice.text)
+    if not calls:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+class StreamedChoice:
+    """The text of one streamed choice sent so far: tokens are sent once their text is final, that is, it ends on
+    a whole character and no stop string (nor, with tools, ``<tool_call>``) could start in it."""
+
+    def __init__(self, holds: tuple[str, ...], max_tokens: int, eos: set[int]) -> None:
+        self.holds, self.max_tokens, self.eos = holds, max_tokens, eos
+        self.margin = max((len(h) - 1 for h in holds), default=0)
+        self.ids: list[int] = []
+        self.logprobs: list[tuple[float, list]] = []
+        self.text, self.sent_tokens, self.sent_entries = "", 0, 0
+
+    def add(self, token: int, logprob: float, alternatives: list, decode: Any) -> tuple[str, int, int]:
+        """Take a generated token; return ``(new text, first, end)``: the text now final and the token range
+        ``[first, end)`` it completes."""
+        if len(self.ids) >= self.max_tokens:  # a step past the budget (transformers' deferred stop check)
+            return "", self.sent_tokens, self.sent_tokens
+        self.ids.append(token)
+        self.logprobs.append((logprob, alternatives))
+        full = decode(self.ids)
+        limit = len(full) - self.margin
+        for hold in self.holds:
+            at = full.find(hold)
+            if at >= 0:
+                limit = min(limit, at)
+        first, text, end = self.sent_tokens, self.text, self.sent_tokens
+        while end < len(self.ids):
+            candidate = full if end + 1 == len(self.ids) else decode(self.ids[: end + 1])
+            if candidate.endswith("\ufffd") or len(candidate) > limit or not candidate.startswith(self.text):
+                break
+            text, end = candidate, end + 1
+        delta, self.text, self.sent_tokens = text[len(self.text) :], text, end
+        return delta, first, end
 
 
 # ---- HTTP -------------------------------------------------------------------------------------------------------
@@ -99,6 +229,7 @@ class OpenAIServer(ThreadingHTTPServer):
         # the longest token's text bounds the characters per token, so longer messages cannot fit the context
         self.max_token_chars = max((len(t) for t in generator.tokenizer.get_vocab()), default=1) or 1
         self.max_prompt_chars = context_length * self.max_token_chars
+        self.template_tools = template_renders_tools(generator.tokenizer)  # else: the tool-use task's system message
         self.default_model = next((m for m, adapter in models.items() if adapter), next(iter(models)))
         self.created = int(time.time())
         self._in_flight = 0
@@ -235,12 +366,13 @@ class OpenAIServer(ThreadingHTTPServer):
             self._in_flight -= 1
 
     # the chat-completions endpoint
-    def build_job(self, body: Any) -> tuple[Job, str]:
-        """Validate a request body into a :class:`Job` and the model id it names."""
+    def build_job(self, body: Any) -> tuple[Job, ChatRequest]:
+        """Validate a request body into a :class:`Job` and its :class:`ChatRequest` (model, tools, streaming)."""
         from vpo_lightning.generation.models import prompt_token_ids
 
         request = parse_chat_request(body, self.settings, self.models, self.default_model)
-        chars = sum(len(m["content"]) for m in request.messages)
+        chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in request.messages)
+        chars += len(json.dumps(request.tools)) if request.tools else 0
         if chars > self.max_prompt_chars:  # certainly past the context: refused before any tokenization
             raise bad_request(f"This model's maximum context length is {self.context_length} tokens and the "
                               f"messages hold {chars} characters (no token is longer than {self.max_token_chars}, "
@@ -248,9 +380,12 @@ class OpenAIServer(ThreadingHTTPServer):
                               "the messages.", "messages", "context_length_exceeded")
         gen = self.generator
         small = chars <= SMALL_PROMPT_CHARS
+        messages, tools = request.messages, request.tools
+        if not self.template_tools:  # the template ignores tools: the tool-use task's system message carries them
+            messages, tools = tooluse_messages(messages, tools), None
         with gen.tokenizer_lock if small else gen.long_tokenizer_lock:
             try:
-                prompt = prompt_token_ids(gen.tokenizer if small else gen.long_tokenizer, request.messages)
+                prompt = prompt_token_ids(gen.tokenizer if small else gen.long_tokenizer, messages, tools)
             except Exception as err:  # noqa: BLE001 - a chat template may reject a message order
                 raise bad_request(f"cannot render the messages with the chat template: {err}", "messages") from None
         max_tokens = request.key.max_tokens
@@ -259,32 +394,140 @@ class OpenAIServer(ThreadingHTTPServer):
                               f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
                               "completion.", "messages", "context_length_exceeded")
-        return Job(prompt, request.n, request.key, request.stops), request.model
+        job = Job(prompt, request.n, request.key, request.stops, logprobs=request.logprobs,
+                  events=queue.Queue() if request.stream else None)
+        return job, request
+
+    def _submit(self, job: Job) -> Any:
+        """Queue an admitted job; with ``job.events``, ``None`` is put there once it is done (or failed)."""
+        future = self.generator.submit(job)
+        if job.events is not None:
+            events = job.events
+            future.add_done_callback(lambda _: events.put(None))
+        return future
+
+    def _result(self, future: Any, timeout: float) -> list[Choice]:
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
+                           type="server_error") from None
+        except CancelledError:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
 
     def complete(self, body: Any) -> dict[str, Any]:
-        job, model = self.build_job(body)
+        """A non-streamed chat completion for a request body (``stream: true`` bodies go to :meth:`stream`)."""
+        job, request = self.build_job(body)
+        if request.stream:
+            raise bad_request("use OpenAIServer.stream for a streamed request", "stream")
+        return self.answer(job, request)
+
+    def answer(self, job: Job, request: ChatRequest) -> dict[str, Any]:
+        """Generate ``job`` and give OpenAI's ``chat.completion`` object."""
         self.admit()
         try:
-            future = self.generator.submit(job)
-            try:
-                choices: list[Choice] = future.result(timeout=self.settings.request_timeout_s)
-            except FutureTimeout:
-                future.cancel()
-                raise APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
-                               type="server_error") from None
-            except CancelledError:
-                raise APIError(503, "the server is shutting down", type="server_error") from None
+            choices = self._result(self._submit(job), self.settings.request_timeout_s)
         finally:
             self.release()
         completion = sum(c.tokens for c in choices)
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = message_of(c, request)
+            logprobs = None if c.logprobs is None else {"content": c.logprobs, "refusal": None}
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": None,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+            "model": request.model, "system_fingerprint": None, "choices": out,
             "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
                       "total_tokens": len(job.prompt_ids) + completion},
         }
+
+    def stream(self, job: Job, request: ChatRequest) -> Iterator[dict[str, Any]]:
+        """OpenAI's ``chat.completion.chunk`` objects of a streamed request, as tokens are generated.
+
+        The first chunk (each choice's role) comes once generation has produced something, so that a request that
+        fails before (429, 504, a failed ``generate``) raises :class:`APIError` from the first ``next`` and can be
+        answered with a plain error. Text is sent once final (:class:`StreamedChoice`); the rest, tool calls and
+        the finish reason come in each choice's last chunk, the usage in a chunk of its own with
+        ``stream_options.include_usage``.
+        """
+        assert job.events is not None
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        gen = self.generator
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": request.model,
+                   "system_fingerprint": None, "choices": choices}
+            if request.include_usage:
+                out["usage"] = usage
+            return out
+
+        def decode(ids: list[int]) -> str:
+            with gen.tokenizer_lock:
+                return gen.tokenizer.decode(ids, skip_special_tokens=True)
+
+        def entries(state: StreamedChoice, first: int, end: int) -> list[dict[str, Any]]:
+            ids = [t for t in state.ids[first:end] if t not in gen.eos]
+            pairs = [p for t, p in zip(state.ids[first:end], state.logprobs[first:end]) if t not in gen.eos]
+            with gen.tokenizer_lock:
+                made = logprob_entries(gen.tokenizer, ids, [p[0] for p in pairs], [p[1] for p in pairs],
+                                       request.logprobs or 0)
+            state.sent_entries += len(made)
+            return made
+
+        holds = request.stops + ((TOOL_OPEN,) if request.tools else ())
+        states = [StreamedChoice(holds, request.key.max_tokens, gen.eos) for _ in range(request.n)]
+        self.admit()
+        try:
+            future = self._submit(job)
+            deadline = time.monotonic() + self.settings.request_timeout_s
+            started = False
+            while True:
+                try:
+                    event = job.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    future.cancel()
+                    raise APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
+                                   type="server_error") from None
+                if event is None:
+                    break
+                if not started:
+                    started = True
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(request.n)])
+                index, token, logprob, alternatives = event
+                state = states[index]
+                delta, first, end = state.add(token, logprob, alternatives, decode)
+                if end > first:
+                    logprobs = None if request.logprobs is None else \
+                        {"content": entries(state, first, end), "refusal": None}
+                    if delta or (logprobs and logprobs["content"]):
+                        yield chunk([{"index": index, "delta": {"content": delta}, "logprobs": logprobs,
+                                      "finish_reason": None}])
+            choices = self._result(future, 0)
+            if not started:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(request.n)])
+            for i, (choice, state) in enumerate(zip(choices, states)):
+                message, finish = message_of(choice, request)
+                content = message.get("content") or ""
+                last: dict[str, Any] = {}
+                if content.startswith(state.text) and len(content) > len(state.text):
+                    last["content"] = content[len(state.text) :]
+                elif not content.startswith(state.text):
+                    log.warning("streamed text of choice %d is not a prefix of its final text", i)
+                if message.get("tool_calls"):
+                    last["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                rest = None if choice.logprobs is None else choice.logprobs[state.sent_entries :]
+                logprobs = None if rest is None else {"content": rest, "refusal": None}
+                yield chunk([{"index": i, "delta": last, "logprobs": logprobs, "finish_reason": finish}])
+            if request.include_usage:
+                completion = sum(c.tokens for c in choices)
+                yield chunk([], {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
+                                 "total_tokens": len(job.prompt_ids) + completion})
+        finally:
+            self.release()
 
     def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": self.created, "owned_by": OWNER}
@@ -343,6 +586,48 @@ class Handler(BaseHTTPRequestHandler):
             return
         self.server.count_status(status)
 
+    def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
+        """Send chunks as server-sent events (``data: {...}``, then ``data: [DONE]``) in a chunked HTTP/1.1 body.
+        An error before the first chunk raises (a plain error answer); one after it is sent as an ``error`` event."""
+        try:
+            first = next(chunks)
+        except StopIteration:
+            raise APIError(500, "the stream produced no chunk", type="server_error") from None
+        except BaseException:
+            chunks.close()
+            raise
+        status = 200
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+
+            def event(data: bytes) -> None:
+                payload = b"data: " + data + b"\n\n"
+                self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+                self.wfile.flush()
+
+            event(json.dumps(first).encode("utf-8"))
+            try:
+                for item in chunks:
+                    event(json.dumps(item).encode("utf-8"))
+            except APIError as err:
+                status = err.status
+                event(json.dumps(err.body()).encode("utf-8"))
+            event(b"[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (ConnectionError, TimeoutError) as err:  # the client hung up mid-stream
+            self._client_gone(err)
+            return
+        finally:
+            chunks.close()
+        self.server.count_status(status)
+
     def _client_gone(self, err: BaseException) -> None:
         self.close_connection = True
         self.server.count_disconnect()
@@ -362,6 +647,9 @@ class Handler(BaseHTTPRequestHandler):
         if allowed:
             self._error(APIError(405, f"method {method} is not allowed on {path}; use {', '.join(allowed)}",
                                  code="method_not_allowed"), {"Allow": ", ".join(allowed)})
+        elif path in ("/v1/completions", "/v1/embeddings", "/v1/responses"):
+            self._error(APIError(404, f"{path} is not implemented by vpo serve; send chat messages to POST "
+                                      "/v1/chat/completions", code="not_found"))
         else:
             self._error(APIError(404, f"no route {method} {path}; routes: POST /v1/chat/completions, "
                                       "GET /v1/models, GET /health", code="not_found"))
@@ -408,7 +696,11 @@ class Handler(BaseHTTPRequestHandler):
             body = self._read_json()
             if not self._busy():
                 return
-            self._send(200, self.server.complete(body))
+            job, request = self.server.build_job(body)
+            if request.stream:
+                self._stream(self.server.stream(job, request))
+            else:
+                self._send(200, self.server.answer(job, request))
         except APIError as err:
             self._error(err)
         except (ConnectionError, TimeoutError) as err:  # hung up while sending its request

@@ -87,10 +87,10 @@ def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
 
     from vpo_lightning.core.chains import parse_chain
     from vpo_lightning.core.metrics import pass_at_k_curve
-    from vpo_lightning.training.records import read_records
 
     report = json.loads((eval_dir / "eval.json").read_text(encoding="utf-8"))
-    records = {r.get("id"): r for r in read_records(report["data_file"])}
+    lines = Path(report["data_file"]).read_text(encoding="utf-8").splitlines()  # the tool-use splits are JSONL
+    records = {r.get("id"): r for r in map(json.loads, filter(str.strip, lines))}
     chains: dict[Any, list[str]] = {}
     for line in (eval_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines():
         row = json.loads(line)

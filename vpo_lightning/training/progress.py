@@ -56,6 +56,15 @@ class StepProgressBar(RichProgressBar):
         if self.train_progress_bar_id is None:  # one bar for the whole run, not one per epoch
             super().on_train_epoch_start(trainer, pl_module)
 
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict]:
+        """The logged bar metrics, then ``check``: a callback's ``progress_note`` while the run has no signal (the
+        rollout's format check: no answer parsed, no reward spread)."""
+        items = super().get_metrics(trainer, pl_module)
+        notes = [n for cb in trainer.callbacks if (n := getattr(cb, "progress_note", None))]
+        if notes:
+            items["check"] = "; ".join(notes)
+        return items
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.is_disabled and self.train_progress_bar_id is None:

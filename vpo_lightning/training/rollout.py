@@ -26,6 +26,7 @@ from torch import Tensor
 from vpo_lightning.core import metrics
 from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
 from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.format_check import FormatCheck
 from vpo_lightning.core.protocol import (
     ChainProtocol,
     Estimator,
@@ -37,6 +38,7 @@ from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
 from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.progress import action_needed
 from vpo_lightning.training.records import template_tools
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
@@ -120,6 +122,7 @@ class RolloutCallback(L.Callback):
         self.dynamic_sampling = dynamic_sampling
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
+        self.format_check = FormatCheck(estimator, self.m, tag_family)  # a run that cannot learn is told so
 
     # the chain protocol's settings, read from it (one copy): m is num_candidates for chain methods, else 1
     estimator = _protocol_field("estimator")
@@ -160,10 +163,27 @@ class RolloutCallback(L.Callback):
         self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])
+        if trainer.is_global_zero:
+            self._check_format(batch["rollout"])
         if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
             self._log_samples(trainer, batch)
         if self.save_completions:
             self._save_completions(trainer, batch)
+
+    @property
+    def progress_note(self) -> str | None:
+        """What the progress bar shows while the run has no signal (no parsed answer, no reward spread)."""
+        return self.format_check.note
+
+    def _check_format(self, ro: Rollout) -> None:
+        """Report the first rollout's parse rate per position; warn once when the run has no signal (format_check)."""
+        first = self.format_check.first_rollout(ro.candidate_mask)  # [N, m]
+        if first:
+            log.info(first)
+        warning = self.format_check.update(ro.metrics["chains/candidate_parse_rate"],
+                                           ro.metrics["frac_zero_std_groups"], ro.metrics["reward/all/mean"])
+        if warning:
+            action_needed(warning)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.engine.sync(pl_module)

@@ -280,8 +280,10 @@ def _fit_args(data: Path, max_steps: int, *extra: str) -> list[str]:
 
 def _env(cwd: Path, pause: str = "") -> dict[str, str]:
     # One intra-op thread: on a small shared CPU, torch's thread pool makes the tiny model ~10x slower.
+    # PYTHONPATH: this checkout's package, also where the venv's editable install points at another checkout
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "VPO_TEST_PAUSE_AT": pause, "VPO_TEST_PAUSE_FILE": str(cwd / "paused"),
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
 
 
 def _vpo(cwd: Path, args: list[str], pause: str = "", timeout: float = 420.0) -> None:
@@ -455,3 +457,36 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     skipped = _scalars(run, "train/skipped_steps")
     # The first two skipped steps are logged as such; the third ends the run with the error above instead.
     assert sum(v for values in skipped.values() for v in values) == 2.0
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_exits_143_and_resumes(tmp_path):
+    """Preemption (issue 53): SIGTERM during a rollout lets the step finish, writes last.ckpt atomically and exits 143,
+    not 0; the same command with --ckpt_path last resumes in the same folder (no --overwrite) and finishes the run."""
+    data = _short_data(tmp_path / "short.jsonl")
+    args = [*_fit_args(data, 4), "--checkpoint.every_n_train_steps=50"]  # no periodic checkpoint: only SIGTERM's
+    (tmp_path / "rel_helpers.py").write_text(HELPERS)
+    marker = tmp_path / "paused"
+    env = {**_env(tmp_path, "generate@1"), "VPO_TEST_PAUSE_S": "1"}  # parked 1 s in step 1's rollout, then goes on
+    with (tmp_path / "vpo.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=tmp_path, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, _tail(tmp_path)
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=300) == 143, _tail(tmp_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    run = tmp_path / "checkpoints" / "debug"
+    ckpt = _ckpt(run)  # step 1 finished, then the run stopped
+    assert ckpt["global_step"] == 2 and ckpt["PromptDataModule"]["position"] == 2
+    assert not list(run.glob("*.tmp")) and (run / "adapters" / "last").is_dir()
+    assert "resume with the same command and --ckpt_path last" in _tail(tmp_path)
+    _vpo(tmp_path, [*args, "--ckpt_path=last"])  # exits 0
+    assert _ckpt(run)["global_step"] == 4 and _ckpt(run)["PromptDataModule"]["position"] == 4
+    assert sorted(_scalars(run, "train/loss")) == [0, 1, 2, 3]  # each step logged once, numbered on

@@ -5,6 +5,10 @@ moment leaves either the previous complete file or the new complete file. The ad
 same way (temporary directory, then rename) by :func:`vpo_lightning.generation.adapters.write_adapter_folder`: it loads
 with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the starting
 adapter is stacked in), and it carries the tokenizer and a model card.
+
+Preemption: SIGTERM (a cluster or a spot machine taking the job back) lets the step in progress finish, then writes
+``last.ckpt`` (atomically, as any checkpoint), and ``vpo fit`` exits with code 143 (128 + SIGTERM) instead of 0, so a
+scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from weakref import proxy
 
 import lightning as L
@@ -114,6 +119,15 @@ class AdapterCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Lightning's every-N-steps checkpoint; after a SIGTERM, also ``last.ckpt`` of this step (Lightning stops
+        the run right after this hook, with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.received_sigterm and self.save_last and self._last_global_step_saved != trainer.global_step:
+            log.warning("SIGTERM received: step %d finished, writing last.ckpt before stopping", trainer.global_step)
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)

@@ -28,6 +28,7 @@ from typing import Any
 from jsonargparse import ActionYesNo
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
@@ -147,9 +148,11 @@ class VPOCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as err:
             if self.run_folder is not None:
                 self.run_folder.abandon()
+            if isinstance(err, SIGTERMException):  # Lightning's is a SystemExit with code 0: a preempted job
+                raise SystemExit(_preempted(self.trainer)) from None  # must not look like a finished one
             raise
         if self.run_folder is not None:
             self.run_folder.commit()
@@ -160,6 +163,20 @@ class VPOCLI(LightningCLI):
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
             print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
+
+
+SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended
+
+
+def _preempted(trainer: Any) -> int:
+    """Say where a run stopped by SIGTERM can be resumed from; the exit code."""
+    last = Path(trainer.default_root_dir) / "last.ckpt"
+    if last.is_file():
+        print(f"vpo: stopped by SIGTERM after step {trainer.global_step}; {last} is saved: resume with the same "
+              "command and --ckpt_path last", file=sys.stderr, flush=True)
+    else:
+        print("vpo: stopped by SIGTERM before the first step finished; nothing was saved", file=sys.stderr, flush=True)
+    return SIGTERM_EXIT
 
 
 def _last_checkpoint(run_dir: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.rewards import RewardVector, get_reward
+from vpo_lightning.rewards import RewardRangeError, RewardVector, get_reward
 from vpo_lightning.training.records import read_records, template_tools
 
 STANDARD = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+3?", "answer": "6"}]
@@ -154,10 +154,13 @@ def test_trl_reward_is_called_once_per_batch_with_the_columns(tmp_path):
     assert not scores.mask[1, 1]
 
 
-def test_trl_reward_outside_unit_interval_is_reported():
+def test_trl_reward_outside_unit_interval_stops_at_the_first_batch():
+    """Issue 53: a TRL reward in [-1, 1] is refused with its name, the value, the record and the fix; never a
+    silent 0 (it used to score 0 and train on)."""
     vec = RewardVector([f"{__name__}.trl_out_of_range"])
-    scores = vec.score([["a"]], [{"prompt": "p", "messages": [{"role": "user", "content": "p"}]}])
-    assert scores.num_errors == 1 and "outside [0, 1]" in scores.errors[0] and "(r + 1) / 2" in scores.errors[0]
+    with pytest.raises(RewardRangeError, match=r"reward 'test_trl_data.trl_out_of_range' returned -1.0 for record "
+                                               r"'r-7'.*outside \[0, 1\].*\(r \+ 1\) / 2"):
+        vec.score([["a"]], [{"prompt": "p", "messages": [{"role": "user", "content": "p"}], "id": "r-7"}])
 
 
 def test_signature_mismatches_are_refused_at_start_up():

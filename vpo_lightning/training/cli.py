@@ -30,6 +30,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vpo_lightning.rewards import BrokenRewardError
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
 from vpo_lightning.training.config import get
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> None:
     """``vpo fit|validate ...`` as a command: bad input gets a one-line error and exit code 2."""
     try:
         run_lightning(list(argv))
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError,
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, BrokenRewardError,
             MisconfigurationException) as err:
         raise SystemExit(report_error("vpo", err)) from None
 

@@ -28,6 +28,7 @@ from vpo_lightning.generation.attention import uses_vpo_attention
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.checkpointing import pause_point
 from vpo_lightning.training.policy import PolicyModule, peak_rss_gb
+from vpo_lightning.training.progress import show_phase
 
 log = logging.getLogger(__name__)
 
@@ -299,12 +300,14 @@ class VPOModule(PolicyModule):
         t0 = time.perf_counter()
         parts = self._mini_batch_parts(ro)  # beta = 0: chains with zero advantage carry no gradient
         updates = self.optim_settings.num_iterations * len(parts)
+        show_phase(self._trainer, self, "log-probs", force=True)
         # old log-probs of every part come from the policy before the rollout's first update
         prepared = [(part, trained, self._prepare(trained, keep_old=updates > 1)) for part, trained in parts]
         gap_sum, gap_tokens, done, all_stats, skipped, bad_stats = 0.0, 0.0, 0, [], 0, None
         for iteration in range(self.optim_settings.num_iterations):
             for part, trained, mbs in prepared:
                 done += 1
+                show_phase(self._trainer, self, f"update {done}/{updates}", force=True)
                 stats = self._backward_pass(part, mbs, trained.engine_logprobs if iteration == 0 else None)
                 if "engine_logprob_gap" in stats:
                     tokens = float(trained.completion_mask.sum())

@@ -38,7 +38,7 @@ from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
 from vpo_lightning.training.checkpointing import pause_point
-from vpo_lightning.training.progress import action_needed
+from vpo_lightning.training.progress import action_needed, show_phase
 from vpo_lightning.training.records import template_tools
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
@@ -155,15 +155,24 @@ class RolloutCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
         self._ensure_engine(pl_module)
         stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
-        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
-                                        pool=getattr(stream, "records", None))
+
+        def report(finished: int, total: int, tokens: int) -> None:  # the bar's `now` field during the rollout
+            show_phase(trainer, pl_module, f"rollout {finished}/{total} chains, {tokens:,} tok",
+                       force=finished == total)
+
+        self.engine.progress = report
+        try:
+            batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
+                                            pool=getattr(stream, "records", None))
+        finally:
+            self.engine.progress = None
         tokens = batch["rollout"].metrics["rollout/tokens"]
         if trainer.world_size > 1:  # every rank must agree on when the budget runs out
             tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
         self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])
-        if trainer.is_global_zero:
+        if trainer.global_rank == 0:  # the format check reads this rank's chains; one rank prints
             self._check_format(batch["rollout"])
         if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
             self._log_samples(trainer, batch)

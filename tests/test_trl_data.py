@@ -199,3 +199,23 @@ def test_api_refuses_an_existing_run_before_touching_its_inputs(tmp_path, monkey
     (fresh / "data").mkdir(parents=True)
     (fresh / "api_config.yaml").write_text("run_name: fresh\n", encoding="utf-8")
     assert claim(fresh, None, overwrite=False).path == fresh  # only the entry point's inputs: not refused
+
+
+def test_dotted_reward_imports_from_the_configs_folder(tmp_path, monkeypatch):
+    """Issue 53: ``my_rewards.py`` beside the config imports with the run started from another folder."""
+    from vpo_lightning.commands.runs import load_config
+    from vpo_lightning.rewards import _CONFIG_DIRS
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "beside_config_rewards.py").write_text(
+        "def short(prompts, completions, **kwargs):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
+    (folder / "run.yaml").write_text("rollout:\n  rewards: [beside_config_rewards.short]\n")
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), str(folder))])
+    monkeypatch.setattr("vpo_lightning.rewards._CONFIG_DIRS", list(_CONFIG_DIRS))
+    monkeypatch.delitem(sys.modules, "beside_config_rewards", raising=False)
+    with pytest.raises(ValueError, match="cannot import it as a dotted path"):
+        get_reward("beside_config_rewards.short")
+    load_config(folder / "run.yaml")  # what every command and `vpo fit` do with --config
+    assert get_reward("beside_config_rewards.short").dims == ("short",)

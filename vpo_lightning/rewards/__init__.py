@@ -123,37 +123,60 @@ def entry_for(name: str, fn: Callable[..., Any]) -> RewardEntry:
     return RewardEntry(name, fn, (name.rsplit(".", 1)[-1],), False)
 
 
-def register_callable(fn: Callable[..., Any]) -> str:
+def importable_name(fn: Callable[..., Any]) -> str | None:
+    """``module.qualname`` of a function a fresh process can import (not one defined in ``__main__`` or a
+    function body), else None."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and qualname and "<locals>" not in qualname:
+        return f"{module}.{qualname}"
+    return None
+
+
+def register_callable(fn: Callable[..., Any], name: str | None = None) -> str:
     """Register a reward callable given from Python (the notebook entry point); returns the name the config uses:
-    its dotted path when its module can be imported again (so the saved config.yaml runs from the command line),
-    else its ``__name__``. A different function already registered under that name is refused."""
-    name = getattr(fn, "__name__", None)
-    if not name or name == "<lambda>":
+    ``name`` when given, else its dotted path when its module can be imported again (so the saved config.yaml runs
+    from the command line), else its ``__name__``. A different function already registered under that name is
+    refused, unless both come from ``__main__`` (a notebook cell run again)."""
+    bare = getattr(fn, "__name__", None)
+    if not bare or bare == "<lambda>":
         raise ValueError(f"reward {fn!r}: give a named function (def ...), not a lambda: its name names the "
                          "reward dimension in the logs")
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", name)
-    if module and module != "__main__" and "<locals>" not in qualname:
-        name = f"{module}.{qualname}"
+    name = name or importable_name(fn) or bare
     _load_builtins()
-    if name in REWARDS and REWARDS[name].fn is not fn:
+    redefined = name in REWARDS and getattr(REWARDS[name].fn, "__module__", None) == fn.__module__ == "__main__"
+    if name in REWARDS and REWARDS[name].fn is not fn and not redefined:
         raise ValueError(f"reward {name!r}: a different reward is registered under this name "
                          f"({REWARDS[name].fn.__module__}); rename your function")
     REWARDS[name] = entry_for(name, fn)
     return name
 
 
+_CONFIG_DIRS: list[str] = []  # folders of the configs read in this process (add_config_dir)
+
+
+def add_config_dir(folder: str | os.PathLike[str]) -> None:
+    """Import dotted reward paths from ``folder`` too (a config's folder: ``my_rewards.py`` beside the YAML), after
+    the installed packages and the working directory."""
+    folder = os.path.abspath(folder)
+    if folder not in _CONFIG_DIRS:
+        _CONFIG_DIRS.append(folder)
+
+
 def _import_dotted(name: str) -> Any:
-    """Import ``pkg.module.attr``; the working directory is searched too (after the installed packages), so a
-    ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
+    """Import ``pkg.module.attr``; the working directory and the configs' folders are searched too (after the
+    installed packages), so a ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
     module_name, attr = name.rsplit(".", 1)
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+    for folder in ([] if "" in sys.path else [cwd]) + _CONFIG_DIRS:
+        if folder not in sys.path:
+            sys.path.append(folder)
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
+        where = ", ".join([cwd, *[d for d in _CONFIG_DIRS if d != cwd]])
         raise ValueError(f"reward {name!r}: cannot import it as a dotted path ({err}); the module must be "
-                         f"importable from the installed packages or the working directory ({cwd})") from err
+                         f"importable from the installed packages, the working directory or the config's folder "
+                         f"({where})") from err
 
 
 def register(

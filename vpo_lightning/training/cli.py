@@ -30,7 +30,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vpo_lightning.rewards import BrokenRewardError
+from vpo_lightning.rewards import BrokenRewardError, add_config_dir
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
 from vpo_lightning.training.config import get
@@ -63,6 +63,7 @@ class VPOCLI(LightningCLI):
     """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
 
     run_folder: run_folders.RunFolder | None = None
+    raise_parse_errors = False  # True: a bad value raises ValueError instead of printing and exiting 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_callback", run_folders.RunConfigSaver)
@@ -103,6 +104,8 @@ class VPOCLI(LightningCLI):
         except ArgumentError as err:
             if os.environ.get("VPO_DEBUG") or isinstance(args, dict):
                 raise
+            if self.raise_parse_errors:  # the notebook entry point: an exception, not an exit
+                raise ValueError(" ".join(str(err).split())) from None
             argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
             subcommands = sorted(getattr(self, "_subcommand_parsers", {}))
             sub = getattr(self, "_subcommand_parsers", {}).get(argv[0]) if argv else None
@@ -119,6 +122,8 @@ class VPOCLI(LightningCLI):
             problems = config_check.preflight(cfg)
             if problems:
                 raise ValueError("\n  ".join(problems))
+        for path in cfg.get("config") or []:  # dotted reward paths also resolve beside the config (my_rewards.py)
+            add_config_dir(Path(getattr(path, "absolute", str(path))).parent)
         run_dir = Path(OUTPUT_ROOT) / cfg["run_name"]
         training = self.subcommand == "fit"
         log_dir = run_dir if training else run_dir / str(self.subcommand)  # validate/test: <run>/validate/version_N

@@ -86,7 +86,7 @@ class UnknownKey:
         return f"unknown key {self.key!r} in {self.where}.{hint}{' ' + self.note if self.note else ''}"
 
 
-def _unknown(key: str, where: str, known: frozenset[str]) -> UnknownKey:
+def unknown_key(key: str, where: str, known: frozenset[str]) -> UnknownKey:
     last = key.rpartition(".")[2]
     if last in TRL_NAMES and TRL_NAMES[last][0] in known:
         ours, why = TRL_NAMES[last]
@@ -184,7 +184,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
     leaves, sections = known_keys(parser)
     known = leaves | sections
     given = command_line_keys(argv)
-    found = [_unknown(k, "the command line", known)
+    found = [unknown_key(k, "the command line", known)
              for k in given if k not in ("help", "config") and not is_known(k, leaves, sections)]
     found += [_renamed(k, "the command line") for k in given if k in RENAMED_KEYS]
     for path in config_paths(argv):
@@ -193,7 +193,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
-            found += [_unknown(k, path, known) for k in config_file_keys(data, leaves, sections)]
+            found += [unknown_key(k, path, known) for k in config_file_keys(data, leaves, sections)]
             found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k) is not None]
     return found
 

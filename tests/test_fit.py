@@ -136,3 +136,13 @@ def test_token_budget_stops_training_and_checkpoints_the_stop(tmp_path, monkeypa
          "--ckpt_path=last")
     ckpt = torch.load(run / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == crossed + 1  # one more step crosses the raised budget
+
+
+def test_keep_last_keeps_the_newest_step_checkpoints_and_their_adapters(tmp_path, monkeypatch):
+    """Issue 53 (TRL's save_total_limit): checkpoint.keep_last=2 with a checkpoint every step keeps step=2, step=3
+    and their adapters, and last."""
+    run = _fit(tmp_path, monkeypatch, "--trainer.max_steps=3", "--checkpoint.keep_last=2", "--data.val_files=null",
+               "--rollout.log_samples_every=0")
+    assert sorted(p.name for p in run.glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    assert sorted(p.name for p in (run / "adapters").iterdir()) == ["last", "step=2", "step=3"]
+    assert torch.load(run / "step=3.ckpt", weights_only=False)["global_step"] == 3

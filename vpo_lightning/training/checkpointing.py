@@ -50,7 +50,10 @@ class AdapterCheckpoint(ModelCheckpoint):
             this in config.yaml); accepted so that the config.yaml of older runs still loads.
         every_n_train_steps: save ``step=N.ckpt`` every this many optimizer steps.
         save_last: keep ``last.ckpt`` up to date (needed for ``--ckpt_path last``).
-        save_top_k: how many ``step=N.ckpt`` files to keep (-1 = all).
+        save_top_k: Lightning's: -1 keeps every ``step=N.ckpt`` (there is no metric to rank checkpoints by; to keep
+            fewer, use ``keep_last``).
+        keep_last: keep only the newest this many ``step=N.ckpt`` files and their ``adapters/step=N`` (TRL's
+            ``save_total_limit``); ``last.ckpt`` and ``adapters/last`` are always kept. None = keep all.
         export_adapter: also export the adapter in PEFT format to ``adapters/<checkpoint name>/``.
         push_to_hub: at the end of training, upload ``adapters/last`` to the Hugging Face hub (needs network and a
             token: ``huggingface-cli login`` or ``HF_TOKEN``).
@@ -63,6 +66,7 @@ class AdapterCheckpoint(ModelCheckpoint):
         every_n_train_steps: int = 50,
         save_last: bool = True,
         save_top_k: int = -1,
+        keep_last: int | None = None,
         export_adapter: bool = True,
         push_to_hub: bool = False,
         hub_model_id: str | None = None,
@@ -73,6 +77,10 @@ class AdapterCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.export = export_adapter
+        if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
+            raise ValueError(f"checkpoint.keep_last must be a positive number of checkpoints or null, got "
+                             f"{keep_last!r}")
+        self.keep_last = keep_last
         if push_to_hub and (not hub_model_id or hub_model_id.count("/") != 1):
             raise ValueError(f"checkpoint.push_to_hub=true needs checkpoint.hub_model_id=<user or org>/<name>, "
                              f"got {hub_model_id!r}")
@@ -116,9 +124,21 @@ class AdapterCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("adapter_checkpoint")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if self.keep_last is not None and Path(filepath).name.startswith("step="):
+            self._drop_old_steps(trainer, Path(filepath).parent)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def _drop_old_steps(self, trainer: L.Trainer, run_dir: Path) -> None:
+        """Remove ``step=N.ckpt`` files (and their adapters) beyond the newest ``keep_last``."""
+        def step(path: Path) -> int:
+            number = path.stem.removeprefix("step=")
+            return int(number) if number.isdigit() else -1
+
+        steps = sorted((p for p in run_dir.glob("step=*.ckpt") if step(p) >= 0), key=step)
+        for old in steps[: max(0, len(steps) - int(self.keep_last or 0))]:
+            self._remove_checkpoint(trainer, str(old))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -6,9 +6,11 @@ same way (temporary directory, then rename) by :func:`vpo_lightning.generation.a
 with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the starting
 adapter is stacked in), and it carries the tokenizer and a model card.
 
-Preemption: SIGTERM (a cluster or a spot machine taking the job back) lets the step in progress finish, then writes
-``last.ckpt`` (atomically, as any checkpoint), and ``vpo fit`` exits with code 143 (128 + SIGTERM) instead of 0, so a
-scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder.
+Preemption: SIGTERM (a cluster or a spot machine taking the job back) stops the run at the next safe point and writes
+``last.ckpt`` there (atomically, as any checkpoint): during a rollout, at once, as of the end of the step before (the
+rollout's samples are dropped: nothing of the step has touched the weights, the data position or the token count);
+during the update, at the end of the step. ``vpo fit`` then exits with code 143 (128 + SIGTERM) instead of 0, so a
+scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder, as if never stopped.
 """
 
 from __future__ import annotations
@@ -139,6 +141,25 @@ class AdapterCheckpoint(ModelCheckpoint):
         steps = sorted((p for p in run_dir.glob("step=*.ckpt") if step(p) >= 0), key=step)
         for old in steps[: max(0, len(steps) - int(self.keep_last or 0))]:
             self._remove_checkpoint(trainer, str(old))
+
+    def save_before_step(self, trainer: L.Trainer) -> None:
+        """``last.ckpt`` as of the end of the previous step, from inside the rollout of step ``global_step`` (a
+        SIGTERM stopped it): Lightning's loop counters are put back to where that step's end left them (the
+        rollout's batch was fetched, not processed), so the checkpoint resumes as one written at that step's end."""
+        if not self.save_last or trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
+            return  # nothing trained yet, or that checkpoint exists
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress
+        if progress.current.processed < 1:  # the first batch of an epoch: its counters cannot be put back
+            log.warning("SIGTERM during the first rollout of an epoch: last.ckpt is not rewritten")
+            return
+        for tracker in (progress.total, progress.current):  # [ready, started, processed, completed] = [k, k, k, k-1]
+            tracker.ready, tracker.started, tracker.completed = tracker.processed, tracker.processed, \
+                tracker.processed - 1
+        loop._batches_that_stepped -= 1  # counted when step k - 1 ended, after its checkpoint hook
+        log.warning("SIGTERM received during the rollout of step %d: writing last.ckpt as of the end of step %d",
+                    trainer.global_step, trainer.global_step - 1)
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from jsonargparse import lazy_instance
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from vpo_lightning.core import metrics
@@ -37,13 +38,17 @@ from vpo_lightning.core.protocol import (
 from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
-from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.checkpointing import AdapterCheckpoint, pause_point
 from vpo_lightning.training.progress import action_needed, show_phase
 from vpo_lightning.training.records import template_tools
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
 
 log = logging.getLogger(__name__)
+
+
+class RolloutInterrupted(Exception):
+    """Raised inside the engine's generation when a SIGTERM arrives: the rollout stops at the next token."""
 
 
 def _protocol_field(name: str) -> property:
@@ -157,6 +162,8 @@ class RolloutCallback(L.Callback):
         stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
 
         def report(finished: int, total: int, tokens: int) -> None:  # the bar's `now` field during the rollout
+            if getattr(trainer, "received_sigterm", False):  # preempted: stop generating, save, exit
+                raise RolloutInterrupted
             show_phase(trainer, pl_module, f"rollout {finished}/{total} chains, {tokens:,} tok",
                        force=finished == total)
 
@@ -164,6 +171,10 @@ class RolloutCallback(L.Callback):
         try:
             batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
                                             pool=getattr(stream, "records", None))
+        except RolloutInterrupted:
+            if isinstance(trainer.checkpoint_callback, AdapterCheckpoint):
+                trainer.checkpoint_callback.save_before_step(trainer)
+            raise SIGTERMException from None  # what Lightning raises after a step when SIGTERM came
         finally:
             self.engine.progress = None
         tokens = batch["rollout"].metrics["rollout/tokens"]

@@ -99,8 +99,9 @@ class FormatCheck:
         return (f"no answer parsed in {n} training steps in a row (train/chains/candidate_parse_rate = 0), so nothing "
                 f"is learned: under rollout.estimator={self.estimator} the rewards score only answers written as "
                 f"{answer_layout(self.m, self.tag_family)}, this model writes none, so every reward is 0 and every "
-                "group has zero spread. Fixes: a cold start on demonstrations in that format (`vpo sft`, "
-                "docs/COLD_START.md; then --model.model.adapter checkpoints/<sft run>/adapters/last), or "
+                "group has zero spread. Fixes: a cold start on demonstrations in that format (`vpo sft`; your own "
+                "data in TRL's SFT formats: docs/COMING_FROM_TRL.md; then --model.model.adapter "
+                "checkpoints/<sft run>/adapters/last), or "
                 "--rollout.estimator grpo, which scores the whole completion with no tags")
 
     def _flat_message(self, mean_reward: float) -> str:

@@ -196,6 +196,8 @@ def test_push_to_hub_up_to_the_network_call(two_stage, tmp_path, monkeypatch):
     from huggingface_hub import HfApi
 
     calls = []
+    for module in ("vpo_lightning.generation.adapters", "vpo_lightning.commands.export"):  # the up-front check: as
+        monkeypatch.setattr(f"{module}.hub_push_problem", lambda *a, **k: None)       # if logged in and online
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     adapter = two_stage / "checkpoints" / "rl" / "adapters" / "last"

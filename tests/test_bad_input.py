@@ -347,3 +347,37 @@ def test_lightning_keys_at_their_defaults_pass(fit_parser):
 def test_more_trl_names_get_our_key(fit_parser, trl, ours):
     [found] = config_check.find_unknown_keys(fit_parser, [f"--{trl}=1"])
     assert found.suggestions == (ours,) and f"({trl} is TRL's name: " in found.message(), found.message()
+
+
+# ------------------------------------------------------------------ push_to_hub: checked before training (issue 53)
+
+
+@pytest.fixture()
+def no_hub_login(tmp_path, monkeypatch):
+    """No token anywhere: an empty HF_HOME, no HF_TOKEN."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_push_to_hub_without_a_token_fails_before_training(no_hub_login, capsys):
+    msg = _error([*_base(), "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny"], capsys)
+    assert "checkpoint.push_to_hub: pushing to the Hugging Face hub needs a token with write access: run " \
+           "`huggingface-cli login` or set HF_TOKEN" in msg
+    assert not Path("checkpoints").exists()  # nothing trained, nothing written
+
+
+def test_push_to_hub_with_the_hub_out_of_reach_fails_before_training(no_hub_login, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    msg = _error([*_base(), "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny"], capsys)
+    assert "http://127.0.0.1:9 cannot be reached" in msg and not Path("checkpoints").exists()
+
+
+def test_export_push_to_hub_without_a_token_fails_before_merging(no_hub_login, tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--adapter", str(adapter), "--push_to_hub", "--hub_model_id", "me/tiny"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--push_to_hub: pushing to the Hugging Face hub needs a token" in err

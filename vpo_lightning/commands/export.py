@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.generation.adapters import base_model_id, push_folder, read_meta, save_tokenizer
+from vpo_lightning.generation.adapters import base_model_id, hub_push_problem, push_folder, read_meta, save_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> Path:
 
     if args.push_to_hub and not args.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id <user or org>/<name>")
+    if args.push_to_hub and (problem := hub_push_problem(args.hub_model_id)):
+        raise ValueError(f"--push_to_hub: {problem}")  # before the merge, not after it
     out = Path(args.out) if args.out else default_export_dir(args)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"--out {out} is not empty: pass --overwrite to replace it, or another --out")

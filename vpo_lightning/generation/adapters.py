@@ -291,6 +291,39 @@ def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
 
 
 # ---- the hub ------------------------------------------------------------------------------------------------------
+def hub_push_problem(repo_id: str | None, token: str | None = None) -> str | None:
+    """Why an upload to the hub repo ``repo_id`` would fail, found before any work is done (one line), else None:
+    a bad repo id, no token (``huggingface-cli login`` / ``HF_TOKEN``), offline mode, the hub out of reach (a
+    3-second connection attempt), or a token the hub refuses."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if not repo_id or repo_id.count("/") != 1:
+        return f"hub_model_id {repo_id!r}: give <user or org>/<name>"
+    from huggingface_hub import HfApi, get_token
+
+    token = token or get_token()
+    if not token:
+        return ("pushing to the Hugging Face hub needs a token with write access: run `huggingface-cli login` or set "
+                "HF_TOKEN, or drop push_to_hub (upload later with `vpo export --push_to_hub`)")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return "pushing to the Hugging Face hub, but HF_HUB_OFFLINE is set: unset it or drop push_to_hub"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as err:
+        return (f"pushing to the Hugging Face hub, but {endpoint} cannot be reached ({err.strerror or err}): run "
+                "where it can, or drop push_to_hub (upload later with `vpo export --push_to_hub`)")
+    try:
+        HfApi(token=token).whoami()
+    except Exception as err:  # noqa: BLE001 - 401 for a bad token, or a network error: either way, say it now
+        return f"the Hugging Face hub refused the token ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+    return None
+
+
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> Any:
     """Upload ``folder`` to the hub model repo ``repo_id`` (created if missing). Needs network and a token
     (``huggingface-cli login`` or ``HF_TOKEN``)."""

@@ -416,6 +416,11 @@ def preflight(cfg: Any) -> list[str]:
         cfg: the parsed configuration of one subcommand (``trainer``, ``model``, ``rollout`` sections).
     """
     problems = lightning_only_keys(cfg)
+    if get(cfg, "checkpoint.push_to_hub"):  # the upload comes at the end of training: check it can work now
+        from vpo_lightning.generation.adapters import hub_push_problem
+
+        if problem := hub_push_problem(get(cfg, "checkpoint.hub_model_id")):
+            problems.append(f"checkpoint.push_to_hub: {problem}")
     accelerator = get(cfg, "trainer.accelerator")
     if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda") and not _has_cuda():
         import torch

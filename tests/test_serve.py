@@ -176,6 +176,16 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, 400, "top_p"),
     ("POST", "/v1/chat/completions", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("POST", "/v1/chat/completions", {"messages": MSG, "stream": True}, 400, "stream"),
+    # issue 53: fields the server does not implement are refused by name, not silently ignored
+    ("POST", "/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("POST", "/v1/chat/completions", {"messages": MSG, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 9000}]}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, 404, "model"),
     ("POST", "/v1/chat/completions", "x" * 30_000, 413, None),
@@ -356,7 +366,8 @@ def test_any_json_in_any_field_is_a_4xx_or_valid():
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | value,
                                      "content": st.text(max_size=5) | value})
     fields = ["model", "stream", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-              "ignore_eos", "stop", "seed"]
+              "ignore_eos", "stop", "seed", "tools", "tool_choice", "logprobs", "top_logprobs", "response_format",
+              "logit_bias", "presence_penalty", "functions"]
     body = st.fixed_dictionaries({"messages": st.lists(message, max_size=2) | value},
                                  optional={name: value for name in fields})
     models = {"base": False, "vpo": True}
@@ -506,3 +517,14 @@ def test_a_client_hanging_up_is_not_a_server_error(server, caplog):
         assert not any(r.levelname in ("ERROR", "CRITICAL") for r in caplog.records), caplog.text
     finally:
         srv.close()
+
+
+def test_unsupported_fields_at_their_off_values_are_accepted():
+    """What OpenAI's clients send when a feature is off passes; the request is served as without the field."""
+    from vpo_lightning.serve import parse_chat_request
+
+    off = {"tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
+           "frequency_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": {}}
+    settings = ServeSettings(max_n=4, max_batch_size=16)
+    plain = parse_chat_request({"messages": MSG}, settings, {"vpo": True}, "vpo")
+    assert parse_chat_request({"messages": MSG, **off}, settings, {"vpo": True}, "vpo") == plain

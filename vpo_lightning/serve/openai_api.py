@@ -247,6 +247,36 @@ def parse_stop(raw: Any) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+# Fields of OpenAI's API that vpo serve does not implement: a request that sets one (to anything but its "off" value)
+# gets a 400 naming it, instead of an answer that silently ignores it. name -> (is it off?, what to say)
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "tools": (lambda v: v in (None, []), "tool calling is not implemented by vpo serve"),
+    "functions": (lambda v: v in (None, []), "function calling is not implemented by vpo serve"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented by vpo serve"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not implemented by vpo serve"),
+    "logprobs": (lambda v: v in (None, False), "log-probabilities are not returned by vpo serve"),
+    "top_logprobs": (lambda v: v in (None, 0), "log-probabilities are not returned by vpo serve"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured output (response_format) is not implemented by vpo serve; only {'type': 'text'}"),
+    "logit_bias": (lambda v: v in (None, {}), "logit_bias is not implemented by vpo serve"),
+    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not implemented by vpo serve; leave it 0"),
+    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not implemented by vpo serve; leave it 0"),
+}
+
+
+def check_unsupported(body: dict) -> None:
+    """A 400 naming the first field of :data:`UNSUPPORTED` that ``body`` sets."""
+    for name, (off, why) in UNSUPPORTED.items():
+        value = body.get(name)
+        try:
+            is_off = bool(off(value))
+        except TypeError:  # an unhashable or odd value: it is set
+            is_off = False
+        if not is_off:
+            raise bad_request(f"'{name}': {why} (got {json.dumps(value)[:80]}); remove it from the request", name,
+                              code="unsupported_parameter")
+
+
 def parse_chat_request(body: Any, settings: ServeSettings, models: dict[str, bool], default_model: str) \
         -> ChatRequest:
     """Validate a decoded chat-completions body against the served ``models`` (id -> uses the adapter)."""
@@ -266,6 +296,7 @@ def parse_chat_request(body: Any, settings: ServeSettings, models: dict[str, boo
         raise bad_request("'stream' must be a boolean", "stream")
     if stream:
         raise bad_request("streaming is not supported by vpo serve; set stream=false", "stream")
+    check_unsupported(body)
     messages = parse_messages(body.get("messages"))
     n = integer(body, "n", 1, 1, s.max_n)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -350,3 +350,19 @@ def test_readme_where_things_go_and_the_peft_and_vllm_recipes(two_stage):
     assert (Path(adapter_dir) / "adapter_config.json").is_file()
     rank = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["r"]
     assert int(values["RANK"]) >= rank and "--max-lora-rank" in serve
+
+
+def test_the_model_card_counts_in_the_singular_for_one(tmp_path):
+    """Issue 53: the card said "1 prompts"."""
+    from types import SimpleNamespace
+
+    from vpo_lightning.generation.adapters import _eval_lines, run_facts
+
+    stream = SimpleNamespace(position=1, batch_size=1, world_size=1)
+    trainer = SimpleNamespace(global_step=1, callbacks=[], datamodule=SimpleNamespace(train_stream=stream))
+    assert run_facts(trainer, object(), "x")["prompts_trained"] == "1 demonstration"
+    stream.batch_size = 3
+    assert run_facts(trainer, object(), "x")["prompts_trained"] == "3 demonstrations"
+    report = {"folder": "eval", "num_prompts": 1, "n": 2, "aggregate": {
+        "best_at_k": [0.5, 1.0], "pass_at_k": [0.0, 1.0], "pairwise_l1_diversity": 0.1, "expected_best_weighted": 0.7}}
+    assert ": 1 test prompt, n = 2" in _eval_lines(report)[0]

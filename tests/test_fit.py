@@ -146,3 +146,13 @@ def test_keep_last_keeps_the_newest_step_checkpoints_and_their_adapters(tmp_path
     assert sorted(p.name for p in run.glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
     assert sorted(p.name for p in (run / "adapters").iterdir()) == ["last", "step=2", "step=3"]
     assert torch.load(run / "step=3.ckpt", weights_only=False)["global_step"] == 3
+
+
+def test_options_take_dashes_as_vpo_help_promises_one_style(tmp_path, monkeypatch):
+    """Issue 53: `vpo fit --run-name X` was refused (only --run_name parsed); keys with dashes now parse as the same
+    keys with underscores."""
+    run = _fit(tmp_path, monkeypatch, "--run-name", "dashed", "--trainer.max-steps=1", "--data.val-files=null",
+               "--rollout.log-samples-every", "0")
+    assert run.name == "debug" and not run.exists()  # the default name was not used
+    ckpt = torch.load(tmp_path / "checkpoints" / "dashed" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 1

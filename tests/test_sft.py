@@ -478,7 +478,7 @@ def test_sft_reads_trl_data_from_parquet_jsonl_and_saved_datasets(tiny_model_dir
     assert by_id["std-1"]["prompt_ids"] == prompt_token_ids(tok, [{"role": "user", "content": "What is 0 + 0?"}])
 
 
-def test_vpo_sft_trains_on_trl_conversational_data(tiny_model_dir, tmp_path, monkeypatch):
+def test_vpo_sft_trains_on_trl_conversational_data(tiny_model_dir, tmp_path, monkeypatch, capfd):
     """`vpo sft` on a TRL `messages` file (builder: none): it trains, validates and exports the adapter."""
     import yaml
 
@@ -494,6 +494,7 @@ def test_vpo_sft_trains_on_trl_conversational_data(tiny_model_dir, tmp_path, mon
            "checkpoint": {"every_n_train_steps": 2}}
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
     make_cli(["--config", "sft.yaml"])
+    assert "configuration: checkpoints/trl-sft/config.yaml (vpo sft ... --print_config" in capfd.readouterr().out
     run = tmp_path / "checkpoints" / "trl-sft"
     assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 2
     assert (run / "adapters" / "last" / "adapter_config.json").is_file()

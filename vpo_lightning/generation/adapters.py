@@ -223,7 +223,8 @@ def _eval_lines(report: dict[str, Any] | None) -> list[str]:
     if not report:
         return ["| last evaluation | none yet (`vpo eval --adapter <this folder>` adds it here) |"]
     agg, n = report["aggregate"], report["n"]
-    return [f"| last evaluation | `{report['folder']}`: {report['num_prompts']} {report.get('split', 'test')} prompts, "
+    prompts = f"{report.get('split', 'test')} prompt" + ("" if report["num_prompts"] == 1 else "s")
+    return [f"| last evaluation | `{report['folder']}`: {report['num_prompts']} {prompts}, "
             f"n = {n}: best@1 {agg['best_at_k'][0]:.3f}, best@{n} {agg['best_at_k'][-1]:.3f}, pass@{n} "
             f"{agg['pass_at_k'][-1]:.3f}, diversity {agg['pairwise_l1_diversity']:.3f}, E_w best "
             f"{agg['expected_best_weighted']:.3f} |"]
@@ -283,8 +284,9 @@ def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
     dm = getattr(trainer, "datamodule", None)
     stream = getattr(dm, "train_stream", None)
     if stream is not None:
-        unit = "prompts" if rollout is not None else "demonstrations"
-        facts["prompts_trained"] = f"{stream.position * stream.batch_size * stream.world_size} {unit}"
+        count = stream.position * stream.batch_size * stream.world_size
+        unit = ("prompt" if rollout is not None else "demonstration") + ("" if count == 1 else "s")
+        facts["prompts_trained"] = f"{count} {unit}"
     if rollout is None:
         facts["tokens_trained"] = "not counted by vpo sft (see train/completion_tokens in TensorBoard)"
     return facts

@@ -95,6 +95,8 @@ class VPOCLI(LightningCLI):
         """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
         for name, sub in getattr(self, "_subcommand_parsers", {}).items():
             sub.prog = self.PROGS.get(name, sub.prog)
+        if isinstance(args, list):  # one style everywhere: --run-name is --run_name, --trainer.max-steps ...
+            args = [underscored(a) for a in args]
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         saved = [p.exit_on_error for p in parsers]
         for p in parsers:
@@ -168,7 +170,17 @@ class VPOCLI(LightningCLI):
         if self.trainer.is_global_zero:
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
-            print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
+            prog = self.PROGS.get("fit", "vpo fit")  # vpo sft's says vpo sft
+            print(f"configuration: {path} ({prog} ... --print_config prints it)", flush=True)
+
+
+def underscored(token: str) -> str:
+    """``--run-name=x`` -> ``--run_name=x``: an option's key with dashes as underscores (its value untouched); other
+    tokens as they are. The keys of `vpo fit` and `vpo sft` are Python names, which never hold a dash."""
+    if not token.startswith("--") or len(token) < 3:
+        return token
+    key, eq, value = token[2:].partition("=")
+    return "--" + key.replace("-", "_") + eq + value
 
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended

@@ -52,6 +52,7 @@ def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
                 "train/reward/parsed/mean", "train/reward/all/format", "train/chains/candidate_parse_rate"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
     assert "train/reward/mean" not in scalars  # renamed: its name did not say it skipped unparsed candidates
+    assert "train/lr" in scalars and not {"lr-AdamW", "hp_metric"} & set(scalars)  # issue 53: no duplicate tags
     # the transformers engine's decode loop reports its log-probs: the train/inference gap is logged, and small
     assert scalars.get("train/engine_logprob_gap"), f"no engine gap logged; have {sorted(scalars)}"
     assert all(0.0 <= gap < 0.5 for _, gap in scalars["train/engine_logprob_gap"])

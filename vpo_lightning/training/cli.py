@@ -50,10 +50,10 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "trainer.log_every_n_steps": 1,
     "trainer.num_sanity_val_steps": 0,
     "trainer.enable_model_summary": False,
+    # no hp_metric (a constant -1) and no LearningRateMonitor (its lr-AdamW repeats train/lr): tags that say nothing
     "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
-    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"},
-                          {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": "", "default_hp_metric": False}},
+    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"}],
     "trainer.check_val_every_n_epoch": None,
     "trainer.val_check_interval": 50,
 }

@@ -157,3 +157,20 @@ def test_options_take_dashes_as_vpo_help_promises_one_style(tmp_path, monkeypatc
     assert run.name == "debug" and not run.exists()  # the default name was not used
     ckpt = torch.load(tmp_path / "checkpoints" / "dashed" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 1
+
+
+def test_a_config_without_a_seed_runs_seeded_0_without_a_warning(tmp_path, monkeypatch, capfd, caplog, recwarn):
+    """Issue 53: configs without seed_everything (COMING_FROM_TRL.md's example) warned "No seed found" (Lightning
+    then seeds 0); now 0 is the default, as in the notebook entry point, and nothing warns."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs/debug.yaml").read_text())
+    del cfg["seed_everything"]
+    (tmp_path / "no_seed.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    data = str(REPO / "data/tooluse/val.jsonl")
+    main(["fit", "--config", "no_seed.yaml", f"--data.train_files=[{data}]", "--data.val_files=null",
+          "--trainer.max_steps=1"])
+    printed = "".join(capfd.readouterr()) + caplog.text + "".join(str(w.message) for w in recwarn)
+    assert "No seed found" not in printed and "Seed set to 0" in printed
+    assert yaml.safe_load((tmp_path / "checkpoints/debug/config.yaml").read_text())["seed_everything"] == 0

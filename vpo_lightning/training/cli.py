@@ -183,6 +183,7 @@ def underscored(token: str) -> str:
     return "--" + key.replace("-", "_") + eq + value
 
 
+SEED_DEFAULT = 0  # seed_everything of a config that sets none: reproducible, and no "No seed found" warning
 SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended
 
 
@@ -217,6 +218,7 @@ def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
         subclass_mode_model=False,
         subclass_mode_data=False,
         auto_configure_optimizers=False,  # the module's optimizer settings are model.optim.*; no --optimizer
+        seed_everything_default=SEED_DEFAULT,
     )
 
 

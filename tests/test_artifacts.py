@@ -176,6 +176,9 @@ def test_vpo_export_writes_merged_weights(two_stage, tmp_path, capsys):
     assert vpo(["export", "--adapter", str(adapter), "--out", str(out)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert not hasattr(merged, "peft_config") and AutoTokenizer.from_pretrained(out).chat_template
+    card = (out / "README.md").read_text()  # issue 53: merged exports had no card
+    assert card.startswith("---\nbase_model: ") and f"merged by `vpo export` from `{adapter}`" in card
+    assert "| reward dimensions |" in card  # the adapter card's table: what was trained
     torch.testing.assert_close(_logits(merged), _logits(_plain_peft(adapter)), atol=1e-5, rtol=0)
     with pytest.raises(SystemExit) as err:
         vpo(["export", "--adapter", str(adapter), "--out", str(out)])

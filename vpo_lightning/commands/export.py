@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.generation.adapters import base_model_id, hub_push_problem, push_folder, read_meta, save_tokenizer
+from vpo_lightning.generation.adapters import (
+    base_model_id,
+    hub_push_problem,
+    push_folder,
+    read_meta,
+    save_tokenizer,
+    write_merged_card,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +91,11 @@ def run(args: argparse.Namespace) -> Path:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     save_tokenizer(settings.name, tmp)
-    (tmp / "vpo_export.json").write_text(json.dumps({"format": "vpo-export/1", "model_name": settings.name,
-                                                    "base_model": base_model_id(settings.name), "dtype": args.dtype,
-                                                    **{k: info[k] for k in ("ckpt", "adapter", "global_step")}},
-                                                   indent=1) + "\n")
+    facts = {"format": "vpo-export/1", "model_name": settings.name, "base_model": base_model_id(settings.name),
+             "dtype": args.dtype, **{k: info[k] for k in ("ckpt", "adapter", "global_step")}}
+    (tmp / "vpo_export.json").write_text(json.dumps(facts, indent=1) + "\n")
+    adapter_dir = args.adapter or (Path(args.ckpt).parent / "adapters" / Path(args.ckpt).stem if args.ckpt else None)
+    write_merged_card(tmp, facts, adapter_dir)  # a card as the adapter has one (issue 53)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     if args.push_to_hub:

@@ -271,6 +271,32 @@ def write_card(folder: Path, meta: dict[str, Any], report: dict[str, Any] | None
     (folder / "README.md").write_text(text, encoding="utf-8")
 
 
+def write_merged_card(folder: Path, facts: dict[str, Any], adapter: str | Path | None = None) -> None:
+    """``README.md`` of a merged export (``vpo export``): front matter for the hub, what it was merged from, the
+    adapter card's table (what was trained, the last evaluation) when the adapter has one, and how to load it."""
+    base, source = facts["base_model"], facts.get("adapter") or facts.get("ckpt") or "the configured base"
+    step = f" (optimizer step {facts['global_step']})" if facts.get("global_step") is not None else ""
+    table: list[str] = []
+    title = "vpo-lightning export"
+    card = Path(adapter) / "README.md" if adapter else None
+    if card is not None and card.is_file():  # the adapter's card: its title (the run) and its table
+        lines = card.read_text(encoding="utf-8").splitlines()
+        table = [line for line in lines if line.startswith("|")]
+        title = next((line[2:] for line in lines if line.startswith("# ")), title)
+    text = "\n".join([
+        "---", f"base_model: {base}", "library_name: transformers", "pipeline_tag: text-generation",
+        "tags: [vpo-lightning, merged]", "---", "", f"# {title} (merged)", "",
+        f"Full weights merged by `vpo export` from `{source}`{step} onto `{base}`, saved in {facts['dtype']}: the "
+        "trained policy with its tokenizer and chat template, for engines that take no adapter.", "", *table,
+        *([""] if table else []), "## Use", "", "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "", 'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
+        "vLLM: `vllm serve <this folder>`.", "",
+    ])
+    (folder / "README.md").write_text(text, encoding="utf-8")
+
+
 # ---- facts about the run, for the card ----------------------------------------------------------------------------
 def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
     """What the card reports: method, estimator, reward dimensions, steps, prompts and tokens trained."""

@@ -340,7 +340,7 @@ def test_lightning_keys_at_their_defaults_pass(fit_parser):
 
 @pytest.mark.parametrize(("trl", "ours"), [
     ("report_to", "trainer.logger"), ("warmup_ratio", "model.optim.warmup_steps"),
-    ("lr_scheduler_type", "model.optim.warmup_steps"), ("eval_steps", "trainer.val_check_interval"),
+    ("lr_scheduler_type", "model.optim.schedule"), ("eval_steps", "trainer.val_check_interval"),
     ("save_total_limit", "checkpoint.keep_last"), ("scale_rewards", "rollout.estimator"),
     ("log_completions", "rollout.log_samples_every"),
 ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -114,6 +115,28 @@ def test_lr_schedule_exact_values():
     assert lr_factor(6, 2, 10, 0.1) == pytest.approx(0.55)
     assert lr_factor(10, 2, 10, 0.1) == pytest.approx(0.1)
     assert lr_factor(50, 2, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_cosine_schedule_exact_values():
+    """Issue 53 (TRL's lr_scheduler_type="cosine"): after the warm-up, min + (1 - min) (1 + cos(pi t)) / 2."""
+    assert lr_factor(1, 2, 10, 0.0, "cosine") == pytest.approx(2 / 3)  # the warm-up is linear either way
+    assert lr_factor(2, 2, 10, 0.0, "cosine") == pytest.approx(1.0)
+    assert lr_factor(4, 2, 10, 0.0, "cosine") == pytest.approx((1 + math.cos(math.pi / 4)) / 2)  # t = 2/8
+    assert lr_factor(6, 2, 10, 0.1, "cosine") == pytest.approx(0.55)  # halfway: the mean of 1 and min
+    assert lr_factor(10, 2, 10, 0.1, "cosine") == pytest.approx(0.1) == lr_factor(50, 2, 10, 0.1, "cosine")
+
+
+def test_fit_schedules_default_constant_and_cosine_on_request():
+    """`vpo fit`'s default stays constant after the warm-up; schedule: cosine decays to min_lr_ratio at max_steps."""
+    from vpo_lightning.training.module import OptimSettings
+    from vpo_lightning.training.policy import lr_shape
+
+    assert lr_shape(OptimSettings()) == ("linear", 1.0)  # max(1.0, ...) = 1: constant
+    assert [lr_factor(s, 0, 10, *lr_shape(OptimSettings())[::-1]) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
+    shape, low = lr_shape(OptimSettings(schedule="cosine", min_lr_ratio=0.2))
+    assert (shape, low) == ("cosine", 0.2) and lr_factor(10, 0, 10, low, shape) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        OptimSettings(min_lr_ratio=1.5)
 
 
 # ---------------------------------------------------------------------------------------------- starting adapter

@@ -67,8 +67,8 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "report_to": ("trainer.logger", "TensorBoard under checkpoints/<run_name>/ by default; any Lightning logger "
                   "(e.g. lightning.pytorch.loggers.WandbLogger) as trainer.logger"),
     "warmup_ratio": ("model.optim.warmup_steps", "a number of steps: warmup_ratio x trainer.max_steps"),
-    "lr_scheduler_type": ("model.optim.warmup_steps", "the schedule is a linear warm-up then a constant rate (the "
-                          "reference's); there is no other schedule to choose"),
+    "lr_scheduler_type": ("model.optim.schedule", "constant (the default), linear or cosine, decaying to "
+                          "model.optim.min_lr_ratio; the warm-up is model.optim.warmup_steps"),
     "eval_steps": ("trainer.val_check_interval", "validation every this many steps"),
     "eval_strategy": ("trainer.val_check_interval", "validation every this many steps; data.val_files empty: none"),
     "save_total_limit": ("checkpoint.keep_last", "the newest N step=<N>.ckpt files and their adapters are kept"),

@@ -509,3 +509,21 @@ def test_sigterm_saves_last_exits_143_and_resumes(straight_run, tmp_path):
     assert {s: len(v) for s, v in _scalars(run, "train/loss").items()} == dict.fromkeys(range(6), 1)  # each once
     worst = _assert_same_per_step(run, reference, range(6))
     print(f"SIGTERM/resume determinism: max |difference| = {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_saves_the_step_before_and_resumes(straight_run, tmp_path):
+    """SIGTERM during the in-loop validation after step 1 (its rollout stops at the next token): last.ckpt holds
+    step 2, the exit code is 143, and the resumed run trains as the uninterrupted one."""
+    reference, data = straight_run
+    run = tmp_path / "checkpoints" / "debug"
+    args = [*_fit_args(data, 6), "--checkpoint.every_n_train_steps=50", "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2"]
+    out = _sigterm_at(tmp_path, args, "generate@-1")  # the first validation rollout: after steps 0 and 1
+    assert "SIGTERM received during validation: writing last.ckpt as of step 2" in out
+    ckpt = _ckpt(run)
+    assert ckpt["global_step"] == 2 and ckpt["PromptDataModule"]["position"] == 2
+    _vpo(tmp_path, [*args, "--ckpt_path=last"])
+    assert _ckpt(run)["global_step"] == 6
+    assert {s: len(v) for s, v in _scalars(run, "train/loss").items()} == dict.fromkeys(range(6), 1)
+    _assert_same_per_step(run, reference, range(6))

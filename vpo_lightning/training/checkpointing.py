@@ -9,7 +9,8 @@ adapter is stacked in), and it carries the tokenizer and a model card.
 Preemption: SIGTERM (a cluster or a spot machine taking the job back) stops the run at the next safe point and writes
 ``last.ckpt`` there (atomically, as any checkpoint): during a rollout, at once, as of the end of the step before (the
 rollout's samples are dropped: nothing of the step has touched the weights, the data position or the token count);
-during the update, at the end of the step. ``vpo fit`` then exits with code 143 (128 + SIGTERM) instead of 0, so a
+during the update, at the end of the step; during in-loop validation, after the validation rollout in progress, as of
+the step before it. ``vpo fit`` then exits with code 143 (128 + SIGTERM) instead of 0, so a
 scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder, as if never stopped.
 """
 
@@ -26,6 +27,7 @@ from weakref import proxy
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,15 @@ class AdapterCheckpoint(ModelCheckpoint):
         log.warning("SIGTERM received during the rollout of step %d: writing last.ckpt as of the end of step %d",
                     trainer.global_step, trainer.global_step - 1)
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """After a SIGTERM during in-loop validation (between two training steps, where Lightning itself saves on
+        validation end), ``last.ckpt`` of the step that preceded it."""
+        super().on_exception(trainer, pl_module, exception)
+        if (isinstance(exception, SIGTERMException) and trainer.validating and self.save_last
+                and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step):
+            log.warning("SIGTERM received during validation: writing last.ckpt as of step %d", trainer.global_step)
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -216,7 +216,18 @@ class RolloutCallback(L.Callback):
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         self._ensure_engine(pl_module)
-        batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+
+        def interrupt(*_: int) -> None:  # preempted during validation: training's state is whole, stop here
+            if getattr(trainer, "received_sigterm", False):
+                raise RolloutInterrupted
+
+        self.engine.progress = interrupt
+        try:
+            batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+        except RolloutInterrupted:
+            raise SIGTERMException from None  # AdapterCheckpoint.on_exception writes last.ckpt
+        finally:
+            self.engine.progress = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.engine.teardown()

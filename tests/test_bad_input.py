@@ -377,7 +377,7 @@ def test_push_to_hub_with_the_hub_out_of_reach_fails_before_training(no_hub_logi
 def test_export_push_to_hub_without_a_token_fails_before_merging(no_hub_login, tmp_path, capsys):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    with pytest.raises(SystemExit) as exc:
-        main(["export", "--adapter", str(adapter), "--push_to_hub", "--hub_model_id", "me/tiny"])
+    with pytest.raises(SystemExit) as exc:  # dashes, as in every other command (issue 53: export took only _)
+        main(["export", "--adapter", str(adapter), "--push-to-hub", "--hub-model-id", "me/tiny"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--push_to_hub: pushing to the Hugging Face hub needs a token" in err

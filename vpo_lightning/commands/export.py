@@ -105,9 +105,10 @@ def run(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo export``."""
+    from vpo_lightning.commands.tools import parse_args
     from vpo_lightning.training.runtime import report_error
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)  # --hub-model-id is --hub_model_id, as in every command
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:

@@ -176,6 +176,9 @@ def test_vpo_export_writes_merged_weights(two_stage, tmp_path, capsys):
     assert vpo(["export", "--adapter", str(adapter), "--out", str(out)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert not hasattr(merged, "peft_config") and AutoTokenizer.from_pretrained(out).chat_template
+    card = (out / "README.md").read_text()  # issue 53: merged exports had no card
+    assert card.startswith("---\nbase_model: ") and f"merged by `vpo export` from `{adapter}`" in card
+    assert "| reward dimensions |" in card  # the adapter card's table: what was trained
     torch.testing.assert_close(_logits(merged), _logits(_plain_peft(adapter)), atol=1e-5, rtol=0)
     with pytest.raises(SystemExit) as err:
         vpo(["export", "--adapter", str(adapter), "--out", str(out)])
@@ -196,6 +199,8 @@ def test_push_to_hub_up_to_the_network_call(two_stage, tmp_path, monkeypatch):
     from huggingface_hub import HfApi
 
     calls = []
+    for module in ("vpo_lightning.generation.adapters", "vpo_lightning.commands.export"):  # the up-front check: as
+        monkeypatch.setattr(f"{module}.hub_push_problem", lambda *a, **k: None)       # if logged in and online
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw)))
     adapter = two_stage / "checkpoints" / "rl" / "adapters" / "last"
@@ -348,3 +353,19 @@ def test_readme_where_things_go_and_the_peft_and_vllm_recipes(two_stage):
     assert (Path(adapter_dir) / "adapter_config.json").is_file()
     rank = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["r"]
     assert int(values["RANK"]) >= rank and "--max-lora-rank" in serve
+
+
+def test_the_model_card_counts_in_the_singular_for_one(tmp_path):
+    """Issue 53: the card said "1 prompts"."""
+    from types import SimpleNamespace
+
+    from vpo_lightning.generation.adapters import _eval_lines, run_facts
+
+    stream = SimpleNamespace(position=1, batch_size=1, world_size=1)
+    trainer = SimpleNamespace(global_step=1, callbacks=[], datamodule=SimpleNamespace(train_stream=stream))
+    assert run_facts(trainer, object(), "x")["prompts_trained"] == "1 demonstration"
+    stream.batch_size = 3
+    assert run_facts(trainer, object(), "x")["prompts_trained"] == "3 demonstrations"
+    report = {"folder": "eval", "num_prompts": 1, "n": 2, "aggregate": {
+        "best_at_k": [0.5, 1.0], "pass_at_k": [0.0, 1.0], "pairwise_l1_diversity": 0.1, "expected_best_weighted": 0.7}}
+    assert ": 1 test prompt, n = 2" in _eval_lines(report)[0]

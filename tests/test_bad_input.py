@@ -311,3 +311,73 @@ def test_lightning_misconfiguration_is_a_clean_error(capsys):
     """Lightning's own configuration errors (MisconfigurationException) end as a one-line error too."""
     msg = _error([*_base(), "--trainer.enable_progress_bar=false"], capsys)
     assert "enable_progress_bar=False" in msg
+
+
+# --------------------------------------------------------- Lightning's trainer keys that the project does not use
+
+
+@pytest.mark.parametrize(("flag", "expected"), [
+    ("--trainer.precision=bf16-mixed", "trainer.precision=bf16-mixed: Lightning's precision plugins are not used "
+                                       "here (the policy is loaded in one dtype, which the rollout engine shares); "
+                                       "set --model.model.dtype bf16"),
+    ("--trainer.precision=16-mixed", "set --model.model.dtype fp16"),
+    ("--trainer.gradient_clip_val=0.5", "set --model.optim.max_grad_norm 0.5"),
+    ("--trainer.accumulate_grad_batches=4", "raise --data.batch_size (x4)"),
+])
+def test_lightning_keys_the_project_does_not_use_fail_up_front_with_its_key(flag, expected, capsys):
+    """Issue 53: ``vpo fit --help`` lists Lightning's trainer keys; these three used to fail mid-run (a 147-line
+    error for bf16-mixed) or do nothing. Now: one line before the model loads, naming the project's key."""
+    msg = _error([*_base(), flag], capsys)
+    assert expected in msg, msg
+    assert not Path("checkpoints").exists()  # nothing loaded, nothing written
+
+
+def test_lightning_keys_at_their_defaults_pass(fit_parser):
+    cfg = fit_parser.parse_args(["--config", str(CONFIG), "--trainer.precision=32-true",
+                                 "--trainer.accumulate_grad_batches=1"])
+    assert config_check.lightning_only_keys(cfg) == []
+
+
+@pytest.mark.parametrize(("trl", "ours"), [
+    ("report_to", "trainer.logger"), ("warmup_ratio", "model.optim.warmup_steps"),
+    ("lr_scheduler_type", "model.optim.schedule"), ("eval_steps", "trainer.val_check_interval"),
+    ("save_total_limit", "checkpoint.keep_last"), ("scale_rewards", "rollout.estimator"),
+    ("log_completions", "rollout.log_samples_every"),
+])
+def test_more_trl_names_get_our_key(fit_parser, trl, ours):
+    [found] = config_check.find_unknown_keys(fit_parser, [f"--{trl}=1"])
+    assert found.suggestions == (ours,) and f"({trl} is TRL's name: " in found.message(), found.message()
+
+
+# ------------------------------------------------------------------ push_to_hub: checked before training (issue 53)
+
+
+@pytest.fixture()
+def no_hub_login(tmp_path, monkeypatch):
+    """No token anywhere: an empty HF_HOME, no HF_TOKEN."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_push_to_hub_without_a_token_fails_before_training(no_hub_login, capsys):
+    msg = _error([*_base(), "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny"], capsys)
+    assert "checkpoint.push_to_hub: pushing to the Hugging Face hub needs a token with write access: run " \
+           "`huggingface-cli login` or set HF_TOKEN" in msg
+    assert not Path("checkpoints").exists()  # nothing trained, nothing written
+
+
+def test_push_to_hub_with_the_hub_out_of_reach_fails_before_training(no_hub_login, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    msg = _error([*_base(), "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/tiny"], capsys)
+    assert "http://127.0.0.1:9 cannot be reached" in msg and not Path("checkpoints").exists()
+
+
+def test_export_push_to_hub_without_a_token_fails_before_merging(no_hub_login, tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    with pytest.raises(SystemExit) as exc:  # dashes, as in every other command (issue 53: export took only _)
+        main(["export", "--adapter", str(adapter), "--push-to-hub", "--hub-model-id", "me/tiny"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--push_to_hub: pushing to the Hugging Face hub needs a token" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import linecache
 import os
 import re
 import subprocess
@@ -47,13 +48,21 @@ def test_doc_has_the_runnable_examples_and_the_settings_table():
         assert re.search(rf"`{trl}`.*\| `{re.escape(ours)}`", text), trl
 
 
+def _notebook_cell(code: str, namespace: dict) -> None:
+    """Run ``code`` as a Jupyter cell runs: in ``__main__``, its source kept in ``linecache`` under a cell name."""
+    name = f"<ipython-input-{abs(hash(code))}>"
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    exec(compile(code, name, "exec"), namespace)  # noqa: S102 - test code
+
+
 @pytest.mark.slow
 def test_python_example_trains(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
-    exec(compile(_blocks()["python-api"], str(DOC), "exec"), {"__name__": "__main__"})  # noqa: S102 - the doc's code
+    _notebook_cell(_blocks()["python-api"], {"__name__": "__main__"})  # the doc's code, as a notebook cell
     run = tmp_path / "checkpoints" / "trl-style"
     assert (run / "last.ckpt").is_file() and (run / "adapters" / "last" / "adapter_config.json").is_file()
-    assert "rewards:\n  - mentions_answer\n  - brevity" in (run / "config.yaml").read_text()
+    # functions of the notebook are written beside the config, which names them by an importable path
+    assert "rewards:\n  - api_rewards.mentions_answer\n  - api_rewards.brevity" in (run / "config.yaml").read_text()
     scalars = _scalars(run)
     assert "train/reward/all/mentions_answer" in scalars and "train/reward/all/brevity" in scalars, sorted(scalars)
     out = capfd.readouterr().out
@@ -111,3 +120,64 @@ def test_api_refuses_bad_records_before_loading_a_model(rows, tmp_path, monkeypa
     bad = [*rows, {"prompt": ""}]
     with pytest.raises(ValueError, match=r"train.jsonl: row 5|train.jsonl:5: 'prompt' is empty"):
         train("tiny-llama", reward_funcs=["format"], train_dataset=bad)
+
+
+# A notebook cell: TRL reward functions using a module import, a helper of the cell and a constant.
+CELL = """
+import re as regex
+
+BONUS = 0.5
+
+
+def count_digits(text):
+    return len(regex.findall(r"[0-9]", text))
+
+
+def digits(prompts, completions, **kwargs):
+    return [min(1.0, count_digits(c) * BONUS) for c in completions]
+"""
+
+
+def test_api_saved_config_reruns_from_the_command_line(tmp_path, monkeypatch):
+    """Issue 53: rewards defined in a notebook are written to the run folder and named by an importable path, so
+    ``vpo fit --config checkpoints/<run>/config.yaml`` runs in a fresh process (here: with them unregistered)."""
+    from vpo_lightning import rewards
+    from vpo_lightning.api import train
+    from vpo_lightning.launcher import main
+
+    monkeypatch.chdir(tmp_path)
+    cell: dict = {"__name__": "__main__"}
+    _notebook_cell(CELL, cell)
+    tiny = {"trainer.max_steps": 1, "trainer.accelerator": "cpu", "data.batch_size": 2, "rollout.group_size": 2,
+            "rollout.estimator": "grpo", "rollout.sampling.max_new_tokens": 8, "model.model.dtype": "fp32"}
+    run = train("tiny-llama", reward_funcs=[cell["digits"]], train_dataset=STANDARD, run_name="nb", overrides=tiny)
+    assert "- api_rewards.digits" in (run / "config.yaml").read_text()
+    assert "def count_digits" in (run / "api_rewards.py").read_text()
+    monkeypatch.delitem(rewards.REWARDS, "api_rewards.digits")  # as in a fresh process: imported from the file
+    monkeypatch.delitem(sys.modules, "api_rewards", raising=False)
+    main(["fit", "--config", str(run / "config.yaml"), "--run_name", "again"])
+    assert Path(sys.modules["api_rewards"].__file__) == (run / "api_rewards.py").resolve()  # imported from the file
+    assert "train/reward/all/digits" in _scalars(tmp_path / "checkpoints" / "again")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"learning_rate": 1e-4}, r"unknown key 'learning_rate' in overrides\. Did you mean 'model\.optim\.lr'\? "
+                              r"\(learning_rate is TRL's name"),
+    ({"rollout.group_sise": 4}, r"unknown key 'rollout\.group_sise' in overrides\. Did you mean 'rollout\.group_size'"),
+])
+def test_api_bad_override_key_is_a_value_error_naming_it(overrides, message, tmp_path, monkeypatch):
+    from vpo_lightning.api import train
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        train("tiny-llama", reward_funcs=["format"], train_dataset=STANDARD, overrides=overrides)
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything is written
+
+
+def test_api_bad_override_value_is_a_value_error_not_an_exit(tmp_path, monkeypatch):
+    from vpo_lightning.api import train
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"rollout\.group_size") as err:
+        train("tiny-llama", reward_funcs=["format"], train_dataset=STANDARD, overrides={"rollout.group_size": "four"})
+    assert "api_config" not in str(err.value)  # the user's key, not an internal file

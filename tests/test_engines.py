@@ -241,3 +241,22 @@ def test_prefill_skips_the_lm_head(decode_loop):
     finally:
         handle.remove()
     assert widths == [1] * max(len(c) for c in gen.completion_ids)
+
+
+@pytest.mark.parametrize("max_batch_size", [0, 3])  # one generate call, or one per prompt
+def test_progress_reports_chains_and_tokens_during_generation(max_batch_size):
+    """Issue 53: the engine reports (chains finished, chains, tokens so far) after every decoded token, counting on
+    across generate calls, and ends with every chain finished and the rollout's token count."""
+    from vpo_lightning.generation.engines import TransformersEngine
+
+    module, prompts = _tiny_module_and_prompts()
+    engine, calls = TransformersEngine(max_batch_size=max_batch_size), []
+    engine.progress = lambda *args: calls.append(args)
+    gen = engine.generate(module, prompts, 3, SamplingSettings(max_new_tokens=5))
+    assert calls[-1] == (6, 6, gen.num_tokens)
+    inside = calls[:-1]
+    assert len(inside) >= 5 * (2 if max_batch_size else 1)  # one per token of each call
+    assert all(total == 6 and 0 <= done <= 6 for done, total, _ in inside)
+    tokens = [t for _, _, t in inside]
+    first_call_rows = 3 if max_batch_size else 6  # every row of the first call writes its first token
+    assert tokens == sorted(tokens) and tokens[0] == first_call_rows and tokens[-1] <= gen.num_tokens

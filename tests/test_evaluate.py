@@ -294,3 +294,17 @@ def test_metrics_read_a_records_real_dimensions_only():
     assert agg["mean_reward"] == {"t0": 0.75, "t1": 0.5, "t2": 0.5, "t3": 1.0}
     assert agg["expected_best_weighted"] == pytest.approx((per[0]["expected_best_weighted"]
                                                            + per[1]["expected_best_weighted"]) / 2)
+
+
+def test_eval_on_custom_data_without_a_test_file_names_data_file(tmp_path, tiny_model_dir, capsys):
+    """Issue 53: a custom task's train file has no test file beside it; the error named data.train_files (wrong
+    fix), and came after the model loaded. Now: before, naming --data_file."""
+    cfg = yaml.safe_load(_config(tmp_path).read_text())
+    (tmp_path / "my_prompts.jsonl").write_text((REPO / "data/tooluse/val.jsonl").read_text())
+    cfg["data"]["train_files"] = [str(tmp_path / "my_prompts.jsonl")]
+    (tmp_path / "custom.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit) as err:
+        vpo(["eval", "--config", str(tmp_path / "custom.yaml"), "--n", "3", "--out", str(tmp_path / "out")])
+    msg = capsys.readouterr().err
+    assert err.value.code == 2 and "give the prompts to evaluate with --data_file FILE" in msg, msg
+    assert f"no {tmp_path / 'test.jsonl'}" in msg and "--split val" in msg

@@ -53,6 +53,7 @@ def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
                 "train/reward/parsed/mean", "train/reward/all/format", "train/chains/candidate_parse_rate"):
         assert tag in scalars, f"{tag} not logged; have {sorted(scalars)}"
     assert "train/reward/mean" not in scalars  # renamed: its name did not say it skipped unparsed candidates
+    assert "train/lr" in scalars and not {"lr-AdamW", "hp_metric"} & set(scalars)  # issue 53: no duplicate tags
     # the transformers engine's decode loop reports its log-probs: the train/inference gap is logged, and small
     assert scalars.get("train/engine_logprob_gap"), f"no engine gap logged; have {sorted(scalars)}"
     assert all(0.0 <= gap < 0.5 for _, gap in scalars["train/engine_logprob_gap"])
@@ -141,3 +142,40 @@ def test_token_budget_stops_training_and_checkpoints_the_stop(tmp_path, monkeypa
          "--ckpt_path=last")
     ckpt = torch.load(run / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == crossed + 1  # one more step crosses the raised budget
+
+
+def test_keep_last_keeps_the_newest_step_checkpoints_and_their_adapters(tmp_path, monkeypatch):
+    """Issue 53 (TRL's save_total_limit): checkpoint.keep_last=2 with a checkpoint every step keeps step=2, step=3
+    and their adapters, and last."""
+    run = _fit(tmp_path, monkeypatch, "--trainer.max_steps=3", "--checkpoint.keep_last=2", "--data.val_files=null",
+               "--rollout.log_samples_every=0")
+    assert sorted(p.name for p in run.glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    assert sorted(p.name for p in (run / "adapters").iterdir()) == ["last", "step=2", "step=3"]
+    assert torch.load(run / "step=3.ckpt", weights_only=False)["global_step"] == 3
+
+
+def test_options_take_dashes_as_vpo_help_promises_one_style(tmp_path, monkeypatch):
+    """Issue 53: `vpo fit --run-name X` was refused (only --run_name parsed); keys with dashes now parse as the same
+    keys with underscores."""
+    run = _fit(tmp_path, monkeypatch, "--run-name", "dashed", "--trainer.max-steps=1", "--data.val-files=null",
+               "--rollout.log-samples-every", "0")
+    assert run.name == "debug" and not run.exists()  # the default name was not used
+    ckpt = torch.load(tmp_path / "checkpoints" / "dashed" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 1
+
+
+def test_a_config_without_a_seed_runs_seeded_0_without_a_warning(tmp_path, monkeypatch, capfd, caplog, recwarn):
+    """Issue 53: configs without seed_everything (COMING_FROM_TRL.md's example) warned "No seed found" (Lightning
+    then seeds 0); now 0 is the default, as in the notebook entry point, and nothing warns."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs/debug.yaml").read_text())
+    del cfg["seed_everything"]
+    (tmp_path / "no_seed.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    data = str(REPO / "data/tooluse/val.jsonl")
+    main(["fit", "--config", "no_seed.yaml", f"--data.train_files=[{data}]", "--data.val_files=null",
+          "--trainer.max_steps=1"])
+    printed = "".join(capfd.readouterr()) + caplog.text + "".join(str(w.message) for w in recwarn)
+    assert "No seed found" not in printed and "Seed set to 0" in printed
+    assert yaml.safe_load((tmp_path / "checkpoints/debug/config.yaml").read_text())["seed_everything"] == 0

@@ -234,3 +234,16 @@ def test_auto_dtype_is_said_at_load(monkeypatch, caplog, native, picked, why):
         base = models.load_base_model(ModelSettings(name="tiny-llama", dtype="auto"))
     assert str(base.dtype) == f"torch.{picked}"
     assert f"model.dtype=auto -> {picked}: " in caplog.text and why in caplog.text
+
+
+def test_fp16_on_a_cpu_is_told_once(caplog):
+    """Issue 53: fp16 on a CPU ran several times slower without a word."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine computes fp16")
+    models._warn_fp16_on_cpu.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vpo_lightning.generation.models"):
+        models.load_base_model(models.ModelSettings(name="tiny-llama", dtype="fp16"))
+        models.load_base_model(models.ModelSettings(name="tiny-llama", dtype="fp16"))
+        models.load_base_model(models.ModelSettings(name="tiny-llama", dtype="fp32"))
+    warned = [r.getMessage() for r in caplog.records if "fp16 on a CPU" in r.getMessage()]
+    assert len(warned) == 1 and "use auto" in warned[0]

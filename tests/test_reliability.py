@@ -280,8 +280,10 @@ def _fit_args(data: Path, max_steps: int, *extra: str) -> list[str]:
 
 def _env(cwd: Path, pause: str = "") -> dict[str, str]:
     # One intra-op thread: on a small shared CPU, torch's thread pool makes the tiny model ~10x slower.
+    # PYTHONPATH: this checkout's package, also where the venv's editable install points at another checkout
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "VPO_TEST_PAUSE_AT": pause, "VPO_TEST_PAUSE_FILE": str(cwd / "paused"),
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
 
 
 def _vpo(cwd: Path, args: list[str], pause: str = "", timeout: float = 420.0) -> None:
@@ -455,3 +457,73 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     skipped = _scalars(run, "train/skipped_steps")
     # The first two skipped steps are logged as such; the third ends the run with the error above instead.
     assert sum(v for values in skipped.values() for v in values) == 2.0
+
+
+def _sigterm_at(cwd: Path, args: list[str], pause: str) -> str:
+    """Run ``vpo`` until it parks at ``pause`` (for 1 s), send SIGTERM, expect exit code 143; its output."""
+    (cwd / "rel_helpers.py").write_text(HELPERS)
+    marker = cwd / "paused"
+    marker.unlink(missing_ok=True)
+    env = {**_env(cwd, pause), "VPO_TEST_PAUSE_S": "1"}  # parked 1 s, then it goes on with the signal pending
+    with (cwd / "vpo.log").open("a") as log:
+        log.write(f"\n===== SIGTERM at {pause}\n")
+        log.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=cwd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, _tail(cwd)
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=300) == 143, _tail(cwd)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return _tail(cwd)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_exits_143_and_resumes(straight_run, tmp_path):
+    """Preemption (issue 53): SIGTERM during a rollout stops it at the next token and writes last.ckpt as of the
+    step before; during the update, the step finishes and last.ckpt holds it. Each time the exit code is 143, not 0;
+    the same command with --ckpt_path last resumes in the same folder (no --overwrite), and every logged value of
+    the interrupted runs equals the uninterrupted run's."""
+    reference, data = straight_run
+    run = tmp_path / "checkpoints" / "debug"
+    args = [*_fit_args(data, 6), "--checkpoint.every_n_train_steps=50"]  # no periodic checkpoint: only SIGTERM's
+    assert "before the first step finished; nothing was saved" in _sigterm_at(tmp_path, args, "generate@0")
+    assert not run.exists()  # nothing left behind: the next run needs no --overwrite
+    out = _sigterm_at(tmp_path, args, "generate@2")  # in step 2's rollout: steps 0 and 1 are done
+    ckpt = _ckpt(run)
+    assert ckpt["global_step"] == 2 and ckpt["PromptDataModule"]["position"] == 2
+    assert "during the rollout of step 2: writing last.ckpt as of the end of step 1" in out
+    assert "resume with the same command and --ckpt_path last" in out
+    assert not list(run.glob("*.tmp")) and (run / "adapters" / "last").is_dir()
+    _sigterm_at(tmp_path, [*args, "--ckpt_path=last"], "optimizer_step@3")  # in step 3's update: it finishes
+    ckpt = _ckpt(run)
+    assert ckpt["global_step"] == 4 and ckpt["PromptDataModule"]["position"] == 4
+    _vpo(tmp_path, [*args, "--ckpt_path=last"])  # exits 0
+    assert _ckpt(run)["global_step"] == 6
+    assert {s: len(v) for s, v in _scalars(run, "train/loss").items()} == dict.fromkeys(range(6), 1)  # each once
+    worst = _assert_same_per_step(run, reference, range(6))
+    print(f"SIGTERM/resume determinism: max |difference| = {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_saves_the_step_before_and_resumes(straight_run, tmp_path):
+    """SIGTERM during the in-loop validation after step 1 (its rollout stops at the next token): last.ckpt holds
+    step 2, the exit code is 143, and the resumed run trains as the uninterrupted one."""
+    reference, data = straight_run
+    run = tmp_path / "checkpoints" / "debug"
+    args = [*_fit_args(data, 6), "--checkpoint.every_n_train_steps=50", "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2"]
+    out = _sigterm_at(tmp_path, args, "generate@-1")  # the first validation rollout: after steps 0 and 1
+    assert "SIGTERM received during validation: writing last.ckpt as of step 2" in out
+    ckpt = _ckpt(run)
+    assert ckpt["global_step"] == 2 and ckpt["PromptDataModule"]["position"] == 2
+    _vpo(tmp_path, [*args, "--ckpt_path=last"])
+    assert _ckpt(run)["global_step"] == 6
+    assert {s: len(v) for s, v in _scalars(run, "train/loss").items()} == dict.fromkeys(range(6), 1)
+    _assert_same_per_step(run, reference, range(6))

@@ -4,8 +4,10 @@ its dimensions wherever it comes from."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +17,14 @@ from vpo_lightning.rewards import (
     REWARDS,
     BrokenRewardError,
     RewardDeclarationError,
+    RewardRangeError,
     RewardVector,
     builtin_tasks,
     get_reward,
     register,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -38,21 +43,54 @@ def _length(candidate, sample):
     return min(1.0, len(candidate) / 10)
 
 
-def test_failing_reward_scores_zero_and_is_counted(module):
+def test_failing_reward_scores_zero_is_counted_and_printed_once(module, caplog):
     def picky(candidate, sample):
-        if candidate == "boom":
+        if candidate.startswith("boom"):
             raise KeyError("no such field")
-        return 1.0 if candidate == "ok" else float("nan") if candidate == "nan" else 2.0
+        return 1.0 if candidate == "ok" else float("nan")
 
     module.picky = picky
     vector = RewardVector(["reward_fixture_mod.picky"])
-    scores = vector.score([["ok", "boom", "nan", "big", None]], [{}])
+    with caplog.at_level(logging.WARNING, logger="vpo_lightning.rewards"):
+        scores = vector.score([["ok", "boom", "nan", "boom2", None]], [{"id": "rec-3"}])
     assert scores.rewards[0, :, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert scores.mask[0].tolist() == [True, True, True, True, False]
     assert scores.num_errors == 3 and len(scores.errors) == 3
-    assert "KeyError" in scores.errors[0] and "'boom'" in scores.errors[0]
-    assert "nan" in scores.errors[1] and "outside [0, 1]" in scores.errors[2]
+    assert "KeyError" in scores.errors[0] and "'boom'" in scores.errors[0] and "record 'rec-3'" in scores.errors[0]
+    assert "NaN" in scores.errors[1]
     assert vector.failures == {"reward_fixture_mod.picky": 3} and vector.successes == {"reward_fixture_mod.picky": 1}
+    # issue 53: one line per reward, naming it and the record; the rest are counted only
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "reward 'reward_fixture_mod.picky' failed on record 'rec-3'" in lines[0], lines
+    assert "\n" not in lines[0]
+
+
+def test_a_value_outside_the_unit_interval_stops_with_the_fix(module):
+    """Issue 53: out of [0, 1] is a bug in the reward, refused at once with its name, value, record and the fix;
+    float rounding just past a bound is clamped."""
+    module.big = lambda candidate, sample: 2.0 if candidate == "big" else 1.0 + 1e-9
+    vector = RewardVector(["reward_fixture_mod.big"])
+    assert vector.score([["x"]], [{}]).rewards[0, 0, 0] == 1.0  # rounding: clamped
+    with pytest.raises(RewardRangeError, match=r"reward 'reward_fixture_mod.big' returned 2.0 for record 'r1' "
+                                               r"\(candidate 'big'\), outside \[0, 1\].*\(r \+ 1\) / 2"):
+        vector.score([["ok", "big"]], [{"id": "r1"}])
+
+
+def test_fit_with_an_out_of_range_reward_stops_at_the_first_batch_with_one_line(tmp_path, monkeypatch, capsys):
+    from vpo_lightning.launcher import main
+
+    (tmp_path / "range_rewards.py").write_text(
+        "def signed(prompts, completions, **kwargs):\n    return [-0.5 for _ in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = REPO / "data/tooluse/val.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "configs/debug.yaml"), f"--data.train_files=[{data}]",
+              "--data.val_files=null", "--rollout.estimator=grpo", "--rollout.rewards=[range_rewards.signed]"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert "vpo: error: reward 'range_rewards.signed' returned -0.5 for record" in err and "(r + 1) / 2" in err
+    assert not (tmp_path / "checkpoints" / "debug").exists()  # failed before its first step: nothing left behind
 
 
 def test_a_reward_failing_on_every_call_stops_after_a_bounded_count(module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -114,6 +115,28 @@ def test_lr_schedule_exact_values():
     assert lr_factor(6, 2, 10, 0.1) == pytest.approx(0.55)
     assert lr_factor(10, 2, 10, 0.1) == pytest.approx(0.1)
     assert lr_factor(50, 2, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_cosine_schedule_exact_values():
+    """Issue 53 (TRL's lr_scheduler_type="cosine"): after the warm-up, min + (1 - min) (1 + cos(pi t)) / 2."""
+    assert lr_factor(1, 2, 10, 0.0, "cosine") == pytest.approx(2 / 3)  # the warm-up is linear either way
+    assert lr_factor(2, 2, 10, 0.0, "cosine") == pytest.approx(1.0)
+    assert lr_factor(4, 2, 10, 0.0, "cosine") == pytest.approx((1 + math.cos(math.pi / 4)) / 2)  # t = 2/8
+    assert lr_factor(6, 2, 10, 0.1, "cosine") == pytest.approx(0.55)  # halfway: the mean of 1 and min
+    assert lr_factor(10, 2, 10, 0.1, "cosine") == pytest.approx(0.1) == lr_factor(50, 2, 10, 0.1, "cosine")
+
+
+def test_fit_schedules_default_constant_and_cosine_on_request():
+    """`vpo fit`'s default stays constant after the warm-up; schedule: cosine decays to min_lr_ratio at max_steps."""
+    from vpo_lightning.training.module import OptimSettings
+    from vpo_lightning.training.policy import lr_shape
+
+    assert lr_shape(OptimSettings()) == ("linear", 1.0)  # max(1.0, ...) = 1: constant
+    assert [lr_factor(s, 0, 10, *lr_shape(OptimSettings())[::-1]) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
+    shape, low = lr_shape(OptimSettings(schedule="cosine", min_lr_ratio=0.2))
+    assert (shape, low) == ("cosine", 0.2) and lr_factor(10, 0, 10, low, shape) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        OptimSettings(min_lr_ratio=1.5)
 
 
 # ---------------------------------------------------------------------------------------------- starting adapter
@@ -413,3 +436,88 @@ def test_fit_cli_takes_a_starting_adapter(in_repo):
                        "--model.model.adapter", "checkpoints/tooluse-sft/adapters/last"],
                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False})
     assert cli.model.model_settings.adapter == "checkpoints/tooluse-sft/adapters/last"
+
+
+# ------------------------------------------------------------------------------------ TRL's SFT formats (issue 53)
+
+TRL_STANDARD = [{"prompt": f"What is {i} + {i}?", "completion": f"It is {2 * i}."} for i in range(6)]
+TRL_PROMPT_COMPLETION = [{"prompt": [{"role": "user", "content": f"Double {i}."}],
+                          "completion": [{"role": "assistant", "content": str(2 * i)}]} for i in range(6)]
+TRL_MESSAGES = [{"messages": [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": f"Name {i}?"},
+                              {"role": "assistant", "content": f"Bot {i}."},
+                              {"role": "user", "content": "And twice that?"},
+                              {"role": "assistant", "content": f"{2 * i}."}]} for i in range(3)]
+
+
+def test_trl_sft_formats_become_completion_only_demonstrations():
+    from vpo_lightning.sft.data import sft_examples
+
+    [std] = sft_examples(TRL_STANDARD[1], "f:1", "f-1")
+    assert std["messages"] == [{"role": "user", "content": "What is 1 + 1?"}] and std["completion"] == "It is 2."
+    [conv] = sft_examples(TRL_PROMPT_COMPLETION[2], "f:2", "f-2")
+    assert conv["messages"] == TRL_PROMPT_COMPLETION[2]["prompt"] and conv["completion"] == "4"
+    first, second = sft_examples(TRL_MESSAGES[1], "f:3", "f-3")  # one demonstration per assistant turn
+    assert first["messages"] == TRL_MESSAGES[1]["messages"][:2] and first["completion"] == "Bot 1."
+    assert second["messages"] == TRL_MESSAGES[1]["messages"][:4] and second["completion"] == "2."
+    assert first["source_id"] == second["source_id"] == "f-3"  # held out together
+    ours = {"messages": [{"role": "user", "content": "Hi"}], "completion": "Hello", "id": "x"}
+    assert sft_examples(ours, "f:4", "f-4")[0]["completion"] == "Hello"
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({"text": "Once upon a time"}, r"f\.jsonl:7: a 'text' record \(TRL's language-modelling format\) has no prompt"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, r"f\.jsonl:7: 'messages' has no assistant turn to learn"),
+    ({"prompt": "Hi", "completion": [{"role": "user", "content": "x"}]},
+     r"f\.jsonl:7: a conversational 'completion' must be one assistant message"),
+    ({"question": "Hi"}, r"f\.jsonl:7: not a demonstration \(fields \['question'\]\); give one of: TRL prompt-compl"),
+])
+def test_rows_that_are_not_demonstrations_are_refused_naming_the_line(row, message):
+    from vpo_lightning.sft.data import sft_examples
+
+    with pytest.raises(ValueError, match=message):
+        sft_examples(row, "f.jsonl:7", "f-7")
+
+
+def test_sft_reads_trl_data_from_parquet_jsonl_and_saved_datasets(tiny_model_dir, tmp_path):
+    """The same loaders as `vpo fit`; each demonstration is tokenised as the rollout's prompt + completion + EOS,
+    and a later turn's prompt holds the earlier reply as context (no loss on it)."""
+    import datasets
+
+    from vpo_lightning.sft.data import SFTDataModule
+
+    datasets.Dataset.from_list(TRL_STANDARD).to_parquet(str(tmp_path / "std.parquet"))
+    (tmp_path / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRL_PROMPT_COMPLETION))
+    datasets.Dataset.from_list(TRL_MESSAGES).save_to_disk(str(tmp_path / "chats"))
+    dm = SFTDataModule([str(tmp_path / "std.parquet"), str(tmp_path / "conv.jsonl"), str(tmp_path / "chats")],
+                       val_fraction=0.0, batch_size=2, tokenizer="tiny-llama")
+    dm.setup("fit")
+    assert len(dm.train_examples) == 6 + 6 + 3 * 2
+    tok = load_tokenizer("tiny-llama")
+    by_id = {ex["id"]: ex for ex in dm.train_examples}
+    turn2 = by_id["chats-2-turn2"]
+    assert turn2["prompt_ids"] == prompt_token_ids(tok, TRL_MESSAGES[1]["messages"][:4])
+    assert turn2["completion_ids"] == tok("2.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert by_id["std-1"]["prompt_ids"] == prompt_token_ids(tok, [{"role": "user", "content": "What is 0 + 0?"}])
+
+
+def test_vpo_sft_trains_on_trl_conversational_data(tiny_model_dir, tmp_path, monkeypatch, capfd):
+    """`vpo sft` on a TRL `messages` file (builder: none): it trains, validates and exports the adapter."""
+    import yaml
+
+    from vpo_lightning.sft.cli import make_cli
+
+    monkeypatch.chdir(tmp_path)
+    rows = [dict(r, id=f"c{i}-{j}") for j in range(4) for i, r in enumerate(TRL_MESSAGES)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"run_name": "trl-sft", "seed_everything": 0,
+           "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "val_check_interval": 2},
+           "model": {"model": TINY, "optim": {"lr": 1e-2}},
+           "data": {"train_files": ["chats.jsonl"], "batch_size": 4, "val_fraction": 0.25},
+           "checkpoint": {"every_n_train_steps": 2}}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
+    make_cli(["--config", "sft.yaml"])
+    assert "configuration: checkpoints/trl-sft/config.yaml (vpo sft ... --print_config" in capfd.readouterr().out
+    run = tmp_path / "checkpoints" / "trl-sft"
+    assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert (run / "adapters" / "last" / "adapter_config.json").is_file()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vpo_lightning.rewards import RewardVector, get_reward
+from vpo_lightning.rewards import RewardRangeError, RewardVector, get_reward
 from vpo_lightning.training.records import read_records, template_tools
 
 STANDARD = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+3?", "answer": "6"}]
@@ -154,10 +154,13 @@ def test_trl_reward_is_called_once_per_batch_with_the_columns(tmp_path):
     assert not scores.mask[1, 1]
 
 
-def test_trl_reward_outside_unit_interval_is_reported():
+def test_trl_reward_outside_unit_interval_stops_at_the_first_batch():
+    """Issue 53: a TRL reward in [-1, 1] is refused with its name, the value, the record and the fix; never a
+    silent 0 (it used to score 0 and train on)."""
     vec = RewardVector([f"{__name__}.trl_out_of_range"])
-    scores = vec.score([["a"]], [{"prompt": "p", "messages": [{"role": "user", "content": "p"}]}])
-    assert scores.num_errors == 1 and "outside [0, 1]" in scores.errors[0] and "(r + 1) / 2" in scores.errors[0]
+    with pytest.raises(RewardRangeError, match=r"reward 'test_trl_data.trl_out_of_range' returned -1.0 for record "
+                                               r"'r-7'.*outside \[0, 1\].*\(r \+ 1\) / 2"):
+        vec.score([["a"]], [{"prompt": "p", "messages": [{"role": "user", "content": "p"}], "id": "r-7"}])
 
 
 def test_signature_mismatches_are_refused_at_start_up():
@@ -196,3 +199,23 @@ def test_api_refuses_an_existing_run_before_touching_its_inputs(tmp_path, monkey
     (fresh / "data").mkdir(parents=True)
     (fresh / "api_config.yaml").write_text("run_name: fresh\n", encoding="utf-8")
     assert claim(fresh, None, overwrite=False).path == fresh  # only the entry point's inputs: not refused
+
+
+def test_dotted_reward_imports_from_the_configs_folder(tmp_path, monkeypatch):
+    """Issue 53: ``my_rewards.py`` beside the config imports with the run started from another folder."""
+    from vpo_lightning.commands.runs import load_config
+    from vpo_lightning.rewards import _CONFIG_DIRS
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "beside_config_rewards.py").write_text(
+        "def short(prompts, completions, **kwargs):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
+    (folder / "run.yaml").write_text("rollout:\n  rewards: [beside_config_rewards.short]\n")
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), str(folder))])
+    monkeypatch.setattr("vpo_lightning.rewards._CONFIG_DIRS", list(_CONFIG_DIRS))
+    monkeypatch.delitem(sys.modules, "beside_config_rewards", raising=False)
+    with pytest.raises(ValueError, match="cannot import it as a dotted path"):
+        get_reward("beside_config_rewards.short")
+    load_config(folder / "run.yaml")  # what every command and `vpo fit` do with --config
+    assert get_reward("beside_config_rewards.short").dims == ("short",)

@@ -97,6 +97,21 @@ def default_data_file(cfg: dict[str, Any], split: str) -> str:
     return str(path.with_name(name))
 
 
+def prompts_file(cfg: Any, args: argparse.Namespace, command: str = "vpo eval") -> str:
+    """``--data_file``, else the split's file (:func:`default_data_file`), which must exist: a custom task's data
+    rarely has a ``test`` file beside its ``train`` file, and the fix is ``--data_file``, not the config."""
+    if args.data_file:
+        return str(args.data_file)
+    path = default_data_file(cfg, args.split)
+    if not Path(path).exists():
+        train = (get(cfg, "data.train_files") or ["?"])[0]
+        raise FileNotFoundError(f"{command} --split {args.split}: no {path} (the {args.split} file derived from "
+                                f"data.train_files {train}); give the prompts to evaluate with --data_file FILE "
+                                "(JSONL, JSON, Parquet, CSV or a save_to_disk folder)"
+                                + ("" if args.split == "val" else ", or --split val for data.val_files"))
+    return path
+
+
 def default_out_dir(args: argparse.Namespace, config: Path) -> Path:
     """Beside the checkpoint or adapter (``eval-<name>``), else ``checkpoints/eval-<config stem>``; ``-<split>``
     for a split other than test, ``-<estimator>`` for ``--estimator``."""
@@ -443,7 +458,7 @@ def load_prompts(cfg: Any, args: argparse.Namespace, tokenizer: Any) -> tuple[st
     ``data.max_prompt_tokens`` defaulted as `vpo fit` defaults it)."""
     from vpo_lightning.training.records import read_records
 
-    data_file = args.data_file or default_data_file(cfg, args.split)
+    data_file = prompts_file(cfg, args)
     limit = args.max_prompt_tokens
     if limit is None:
         limit = get(cfg, "data.max_prompt_tokens")
@@ -559,6 +574,7 @@ def run(args: argparse.Namespace) -> Path:
     parsed = run_config(cfg, str(config), args.estimator)  # as `vpo fit` parses it
     sampler = Sampler.from_config(parsed)
     _check_args(args, sampler.protocol.m)
+    prompts_file(parsed.parsed, args)  # a missing prompts file is told before the model loads
     device = pick_device(args.device)
     model, settings, info = load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)
     tokenizer = load_tokenizer(settings.name)

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.generation.adapters import base_model_id, push_folder, read_meta, save_tokenizer
+from vpo_lightning.generation.adapters import (
+    base_model_id,
+    hub_push_problem,
+    push_folder,
+    read_meta,
+    save_tokenizer,
+    write_merged_card,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +75,8 @@ def run(args: argparse.Namespace) -> Path:
 
     if args.push_to_hub and not args.hub_model_id:
         raise ValueError("--push_to_hub needs --hub_model_id <user or org>/<name>")
+    if args.push_to_hub and (problem := hub_push_problem(args.hub_model_id)):
+        raise ValueError(f"--push_to_hub: {problem}")  # before the merge, not after it
     out = Path(args.out) if args.out else default_export_dir(args)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"--out {out} is not empty: pass --overwrite to replace it, or another --out")
@@ -82,10 +91,11 @@ def run(args: argparse.Namespace) -> Path:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     save_tokenizer(settings.name, tmp)
-    (tmp / "vpo_export.json").write_text(json.dumps({"format": "vpo-export/1", "model_name": settings.name,
-                                                    "base_model": base_model_id(settings.name), "dtype": args.dtype,
-                                                    **{k: info[k] for k in ("ckpt", "adapter", "global_step")}},
-                                                   indent=1) + "\n")
+    facts = {"format": "vpo-export/1", "model_name": settings.name, "base_model": base_model_id(settings.name),
+             "dtype": args.dtype, **{k: info[k] for k in ("ckpt", "adapter", "global_step")}}
+    (tmp / "vpo_export.json").write_text(json.dumps(facts, indent=1) + "\n")
+    adapter_dir = args.adapter or (Path(args.ckpt).parent / "adapters" / Path(args.ckpt).stem if args.ckpt else None)
+    write_merged_card(tmp, facts, adapter_dir)  # a card as the adapter has one (issue 53)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     if args.push_to_hub:
@@ -95,9 +105,10 @@ def run(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo export``."""
+    from vpo_lightning.commands.tools import parse_args
     from vpo_lightning.training.runtime import report_error
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)  # --hub-model-id is --hub_model_id, as in every command
     try:
         out = run(args)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:

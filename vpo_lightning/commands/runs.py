@@ -81,6 +81,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, require
     missing = [s for s in require if s not in out]
     if missing:
         raise ValueError(f"config {str(path)!r} has no {missing[0]}: section (is it a `vpo fit` config?)")
+    from vpo_lightning.rewards import add_config_dir
+
+    add_config_dir(path.parent)  # dotted reward paths resolve beside the config too, as in `vpo fit`
     return out
 
 

@@ -201,11 +201,11 @@ def aggregate(problems: list[dict[str, Any]], budget: int) -> dict[str, Any]:
 def load_records(cfg: Any, args: argparse.Namespace, tokenizer: Any) -> tuple[str, list[dict]]:
     """``(data file, records)``: the split's problems under the prompt-length limit; a seeded sample with
     ``--max_prompts``, else all of them in file order."""
-    from vpo_lightning.commands.evaluate import default_data_file, select_prompts
+    from vpo_lightning.commands.evaluate import prompts_file, select_prompts
     from vpo_lightning.generation.models import prompt_token_ids
     from vpo_lightning.training.records import read_records, template_tools
 
-    data_file = args.data_file or default_data_file(cfg, args.split)
+    data_file = prompts_file(cfg, args, "vpo search")
     limit = args.max_prompt_tokens
     if limit is None:
         limit = int(get(cfg, "data.max_prompt_tokens") or 0)  # cfg: the parsed config, defaults filled in

@@ -223,7 +223,8 @@ def _eval_lines(report: dict[str, Any] | None) -> list[str]:
     if not report:
         return ["| last evaluation | none yet (`vpo eval --adapter <this folder>` adds it here) |"]
     agg, n = report["aggregate"], report["n"]
-    return [f"| last evaluation | `{report['folder']}`: {report['num_prompts']} {report.get('split', 'test')} prompts, "
+    prompts = f"{report.get('split', 'test')} prompt" + ("" if report["num_prompts"] == 1 else "s")
+    return [f"| last evaluation | `{report['folder']}`: {report['num_prompts']} {prompts}, "
             f"n = {n}: best@1 {agg['best_at_k'][0]:.3f}, best@{n} {agg['best_at_k'][-1]:.3f}, pass@{n} "
             f"{agg['pass_at_k'][-1]:.3f}, diversity {agg['pairwise_l1_diversity']:.3f}, E_w best "
             f"{agg['expected_best_weighted']:.3f} |"]
@@ -270,6 +271,32 @@ def write_card(folder: Path, meta: dict[str, Any], report: dict[str, Any] | None
     (folder / "README.md").write_text(text, encoding="utf-8")
 
 
+def write_merged_card(folder: Path, facts: dict[str, Any], adapter: str | Path | None = None) -> None:
+    """``README.md`` of a merged export (``vpo export``): front matter for the hub, what it was merged from, the
+    adapter card's table (what was trained, the last evaluation) when the adapter has one, and how to load it."""
+    base, source = facts["base_model"], facts.get("adapter") or facts.get("ckpt") or "the configured base"
+    step = f" (optimizer step {facts['global_step']})" if facts.get("global_step") is not None else ""
+    table: list[str] = []
+    title = "vpo-lightning export"
+    card = Path(adapter) / "README.md" if adapter else None
+    if card is not None and card.is_file():  # the adapter's card: its title (the run) and its table
+        lines = card.read_text(encoding="utf-8").splitlines()
+        table = [line for line in lines if line.startswith("|")]
+        title = next((line[2:] for line in lines if line.startswith("# ")), title)
+    text = "\n".join([
+        "---", f"base_model: {base}", "library_name: transformers", "pipeline_tag: text-generation",
+        "tags: [vpo-lightning, merged]", "---", "", f"# {title} (merged)", "",
+        f"Full weights merged by `vpo export` from `{source}`{step} onto `{base}`, saved in {facts['dtype']}: the "
+        "trained policy with its tokenizer and chat template, for engines that take no adapter.", "", *table,
+        *([""] if table else []), "## Use", "", "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "", 'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
+        "vLLM: `vllm serve <this folder>`.", "",
+    ])
+    (folder / "README.md").write_text(text, encoding="utf-8")
+
+
 # ---- facts about the run, for the card ----------------------------------------------------------------------------
 def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
     """What the card reports: method, estimator, reward dimensions, steps, prompts and tokens trained."""
@@ -283,14 +310,48 @@ def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
     dm = getattr(trainer, "datamodule", None)
     stream = getattr(dm, "train_stream", None)
     if stream is not None:
-        unit = "prompts" if rollout is not None else "demonstrations"
-        facts["prompts_trained"] = f"{stream.position * stream.batch_size * stream.world_size} {unit}"
+        count = stream.position * stream.batch_size * stream.world_size
+        unit = ("prompt" if rollout is not None else "demonstration") + ("" if count == 1 else "s")
+        facts["prompts_trained"] = f"{count} {unit}"
     if rollout is None:
         facts["tokens_trained"] = "not counted by vpo sft (see train/completion_tokens in TensorBoard)"
     return facts
 
 
 # ---- the hub ------------------------------------------------------------------------------------------------------
+def hub_push_problem(repo_id: str | None, token: str | None = None) -> str | None:
+    """Why an upload to the hub repo ``repo_id`` would fail, found before any work is done (one line), else None:
+    a bad repo id, no token (``huggingface-cli login`` / ``HF_TOKEN``), offline mode, the hub out of reach (a
+    3-second connection attempt), or a token the hub refuses."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if not repo_id or repo_id.count("/") != 1:
+        return f"hub_model_id {repo_id!r}: give <user or org>/<name>"
+    from huggingface_hub import HfApi, get_token
+
+    token = token or get_token()
+    if not token:
+        return ("pushing to the Hugging Face hub needs a token with write access: run `huggingface-cli login` or set "
+                "HF_TOKEN, or drop push_to_hub (upload later with `vpo export --push_to_hub`)")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return "pushing to the Hugging Face hub, but HF_HUB_OFFLINE is set: unset it or drop push_to_hub"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as err:
+        return (f"pushing to the Hugging Face hub, but {endpoint} cannot be reached ({err.strerror or err}): run "
+                "where it can, or drop push_to_hub (upload later with `vpo export --push_to_hub`)")
+    try:
+        HfApi(token=token).whoami()
+    except Exception as err:  # noqa: BLE001 - 401 for a bad token, or a network error: either way, say it now
+        return f"the Hugging Face hub refused the token ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+    return None
+
+
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> Any:
     """Upload ``folder`` to the hub model repo ``repo_id`` (created if missing). Needs network and a token
     (``huggingface-cli login`` or ``HF_TOKEN``)."""

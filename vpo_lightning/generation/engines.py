@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,19 @@ class RolloutShape:
         return self.max_prompt_tokens + self.max_new_tokens if self.max_prompt_tokens else None
 
 
+ProgressFn = Callable[[int, int, int], None]  # (chains finished, chains in the rollout, tokens generated so far)
+
+
 class Engine:
-    """Interface: ``prepare`` and ``setup`` once, ``generate`` each step, ``sync`` after each optimizer step."""
+    """Interface: ``prepare`` and ``setup`` once, ``generate`` each step, ``sync`` after each optimizer step.
+
+    ``progress``, when the rollout sets it, is called during ``generate`` with (chains finished, chains in the
+    rollout, tokens generated so far), after each decoded token where the engine decodes token by token, and once at
+    the end with every chain finished: the progress bar shows it inside a step (minutes on a CPU).
+    """
 
     shape: RolloutShape | None = None
+    progress: ProgressFn | None = None
 
     def prepare(self, shape: RolloutShape) -> None:
         """Told, before ``setup``, the largest step the run asks for (engines that size buffers by it read it)."""
@@ -106,6 +116,12 @@ class Engine:
 
     def teardown(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources."""
+
+
+def _offset_report(progress: ProgressFn, chains_before: int, tokens_before: int, total: int, finished: int,
+                   tokens: int) -> None:
+    """``progress`` for one generate call of several: its counts added to the earlier calls' ones."""
+    progress(chains_before + finished, total, tokens_before + tokens)
 
 
 def left_pad(prompt_ids: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,12 +344,12 @@ class TransformersEngine(Engine):
         return name, cache
 
     def _decode(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
-                sampling: SamplingSettings, eos: set[int], pad_id: int,
-                fused: Any = None) -> tuple[list[list[int]], list[list[float]]]:
+                sampling: SamplingSettings, eos: set[int], pad_id: int, fused: Any = None,
+                report: Callable[[int, int], None] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """This engine's decode loop: the shared prefill, then one forward per new token for all ``b * G`` rows
         (finished rows get ``pad_id``, as ``generate`` does), until every row has produced EOS or the budget.
         With ``fused`` (a :class:`~vpo_lightning.generation.fused_decode.FusedDecoder`) the prefill and each step run
-        through it instead of the model's forward."""
+        through it instead of the model's forward. ``report(rows finished, tokens so far)`` after each token."""
         from vpo_lightning.generation.decoding import sample_next
 
         budget = sampling.max_new_tokens
@@ -351,7 +367,7 @@ class TransformersEngine(Engine):
         stops = torch.tensor(sorted(eos), dtype=torch.long, device=ids.device)
         done = torch.zeros(n, dtype=torch.bool, device=ids.device)  # [n]
         extra = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-        steps = 0
+        steps, generated = 0, 0
         for t in range(budget):
             if fused is not None:
                 logits = fused.step(token[:, 0], t)  # [n, V]
@@ -361,7 +377,11 @@ class TransformersEngine(Engine):
             nxt, lp = sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             nxt = nxt.masked_fill(done, pad_id)  # [n]
             tokens[:, t], logprobs[:, t], steps = nxt, lp, t + 1
+            if report is not None:  # rows not finished before this token generated one
+                generated += n - int(done.sum())
             done |= torch.isin(nxt, stops)
+            if report is not None:
+                report(int(done.sum()), generated)
             if bool(done.all()):
                 break
             token = nxt.unsqueeze(1)  # [n, 1]
@@ -381,6 +401,7 @@ class TransformersEngine(Engine):
         logprobs: list[list[float]] | None = [] if self.decode_loop and self.share_prompt_prefix else None
         calls = self._calls(prompt_ids, group_size, seeds)
         rows = len(calls[0][0]) * group_size  # rows of a generate call
+        total, progress = len(prompt_ids) * group_size, self.progress
         on_cpu = torch.device(module.device).type == "cpu"  # on a GPU a merged copy would cost its memory
         if on_cpu:
             adapt_threads(self.threads)
@@ -396,18 +417,27 @@ class TransformersEngine(Engine):
                     ids, mask = left_pad(prompts, tok.pad_token_id, module.device)  # [b, P]
                     if seed is not None:
                         torch.manual_seed(seed)
+                    report = None
+                    if progress is not None:  # this call's counts on top of the earlier calls' chains and tokens
+                        before, so_far = len(completions), sum(len(c) for c in completions)
+                        report = functools.partial(_offset_report, progress, before, so_far, total)
                     if logprobs is not None and ids.shape[1] > 1:
                         chains, lps = self._decode(model, ids, mask, group_size, sampling, eos, tok.pad_token_id,
-                                                   fused)
+                                                   fused, report)
                         completions, logprobs = completions + chains, logprobs + lps
                         continue
                     completions += self._generate_call(model, tok, ids, mask, group_size, sampling, eos)
+                    if progress is not None:  # generate() reports nothing inside: the call as a whole
+                        progress(len(completions), total, sum(len(c) for c in completions))
                     if logprobs is not None:  # a one-token prompt: generate() has no log-probs to report
                         logprobs = None
         finally:
             model.train(was_training)
         texts = tok.batch_decode(completions, skip_special_tokens=True)
-        return Generation(completions, texts, sum(len(c) for c in completions), engine_logprobs=logprobs)
+        num_tokens = sum(len(c) for c in completions)
+        if progress is not None:
+            progress(total, total, num_tokens)
+        return Generation(completions, texts, num_tokens, engine_logprobs=logprobs)
 
     def _generate_call(self, model: nn.Module, tok: Any, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                        sampling: SamplingSettings, eos: set[int]) -> list[list[int]]:
@@ -665,6 +695,8 @@ class VLLMEngine(Engine):
         gen = outputs_to_generation(outputs)
         if not self.logprobs_processed and sampling.temperature != 1.0:
             gen.engine_logprobs = None  # raw log-probs: not the sampled distribution, no gap to report
+        if self.progress is not None:  # one call for the whole rollout: its end only
+            self.progress(len(gen.texts), len(gen.texts), gen.num_tokens)
         return gen
 
     def teardown(self) -> None:

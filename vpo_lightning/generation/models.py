@@ -148,6 +148,13 @@ def _log_auto_dtype(dtype: torch.dtype) -> None:
     log.info("model.dtype=auto -> %s: %s", str(dtype).removeprefix("torch."), why)
 
 
+@functools.cache
+def _warn_fp16_on_cpu() -> None:
+    """Say once per process that fp16 is a GPU format: CPUs emulate most of its arithmetic."""
+    log.warning("model.model.dtype=fp16 on a CPU: CPUs compute fp16 several times slower than fp32 (a step of the "
+                "tool-use config took 3x as long); use auto (bf16 where the CPU computes it natively, else fp32)")
+
+
 def cache_dir() -> Path:
     """Where converted built-in models are cached (``$VPO_CACHE_DIR`` or ``~/.cache/vpo_lightning/models``)."""
     return Path(os.environ.get("VPO_CACHE_DIR", Path.home() / ".cache" / "vpo_lightning" / "models"))
@@ -330,6 +337,8 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     }
     if settings.dtype == "auto" and not settings.load_in_4bit:
         _log_auto_dtype(kwargs["dtype"])
+    if settings.dtype == "fp16" and not torch.cuda.is_available():
+        _warn_fp16_on_cpu()
     if settings.load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(settings)
         kwargs["dtype"] = _DTYPES[settings.bnb_compute_dtype]

@@ -17,9 +17,12 @@ A vector reward declares its dimensions wherever it comes from: registered with 
 path, either registered (under any name) by its module or carrying a ``dims`` attribute (``fn.dims = ("a", "b")``);
 a reward that returns a different number of values than it declares stops the run at once with an error saying so.
 
-Model output never crashes a run: a reward that raises, returns NaN or a value outside [0, 1] is reported with its
-name and the offending input, and the candidate scores 0 on every dimension of the vector (VPO-SPEC section 3: the
-candidate scores 0, not only that reward's dimensions); it is counted in the logs.
+Model output never crashes a run: a reward that raises or returns NaN on a candidate is reported once per reward
+(one line naming it, the record and the error; later failures are counted, not printed), and the candidate scores 0
+on every dimension of the vector (VPO-SPEC section 3: the candidate scores 0, not only that reward's dimensions); it
+is counted in the logs. A value outside [0, 1] is a bug in the reward's definition, not bad model output (TRL takes any
+float; VPO's set reward needs [0, 1]): it stops the run at the first batch that shows it
+(:class:`RewardRangeError`, naming the reward, the value, the record and how to rescale), never a silent 0.
 
 Per-record D. A reward registered with ``real_dims=fn`` has a variable number of real dimensions per record
 (code tasks: one per test, at most 16): ``fn(sample)`` gives how many of its declared dimensions are real for that
@@ -122,37 +125,60 @@ def entry_for(name: str, fn: Callable[..., Any]) -> RewardEntry:
     return RewardEntry(name, fn, (name.rsplit(".", 1)[-1],), False)
 
 
-def register_callable(fn: Callable[..., Any]) -> str:
+def importable_name(fn: Callable[..., Any]) -> str | None:
+    """``module.qualname`` of a function a fresh process can import (not one defined in ``__main__`` or a
+    function body), else None."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and qualname and "<locals>" not in qualname:
+        return f"{module}.{qualname}"
+    return None
+
+
+def register_callable(fn: Callable[..., Any], name: str | None = None) -> str:
     """Register a reward callable given from Python (the notebook entry point); returns the name the config uses:
-    its dotted path when its module can be imported again (so the saved config.yaml runs from the command line),
-    else its ``__name__``. A different function already registered under that name is refused."""
-    name = getattr(fn, "__name__", None)
-    if not name or name == "<lambda>":
+    ``name`` when given, else its dotted path when its module can be imported again (so the saved config.yaml runs
+    from the command line), else its ``__name__``. A different function already registered under that name is
+    refused, unless both come from ``__main__`` (a notebook cell run again)."""
+    bare = getattr(fn, "__name__", None)
+    if not bare or bare == "<lambda>":
         raise ValueError(f"reward {fn!r}: give a named function (def ...), not a lambda: its name names the "
                          "reward dimension in the logs")
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", name)
-    if module and module != "__main__" and "<locals>" not in qualname:
-        name = f"{module}.{qualname}"
+    name = name or importable_name(fn) or bare
     _load_builtins()
-    if name in REWARDS and REWARDS[name].fn is not fn:
+    redefined = name in REWARDS and getattr(REWARDS[name].fn, "__module__", None) == fn.__module__ == "__main__"
+    if name in REWARDS and REWARDS[name].fn is not fn and not redefined:
         raise ValueError(f"reward {name!r}: a different reward is registered under this name "
                          f"({REWARDS[name].fn.__module__}); rename your function")
     REWARDS[name] = entry_for(name, fn)
     return name
 
 
+_CONFIG_DIRS: list[str] = []  # folders of the configs read in this process (add_config_dir)
+
+
+def add_config_dir(folder: str | os.PathLike[str]) -> None:
+    """Import dotted reward paths from ``folder`` too (a config's folder: ``my_rewards.py`` beside the YAML), after
+    the installed packages and the working directory."""
+    folder = os.path.abspath(folder)
+    if folder not in _CONFIG_DIRS:
+        _CONFIG_DIRS.append(folder)
+
+
 def _import_dotted(name: str) -> Any:
-    """Import ``pkg.module.attr``; the working directory is searched too (after the installed packages), so a
-    ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
+    """Import ``pkg.module.attr``; the working directory and the configs' folders are searched too (after the
+    installed packages), so a ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
     module_name, attr = name.rsplit(".", 1)
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+    for folder in ([] if "" in sys.path else [cwd]) + _CONFIG_DIRS:
+        if folder not in sys.path:
+            sys.path.append(folder)
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
+        where = ", ".join([cwd, *[d for d in _CONFIG_DIRS if d != cwd]])
         raise ValueError(f"reward {name!r}: cannot import it as a dotted path ({err}); the module must be "
-                         f"importable from the installed packages or the working directory ({cwd})") from err
+                         f"importable from the installed packages, the working directory or the config's folder "
+                         f"({where})") from err
 
 
 def register(
@@ -232,6 +258,29 @@ class RewardDeclarationError(ValueError):
     """A reward returned a different number of values than the dimensions it declares (a bug in the reward)."""
 
 
+class RewardRangeError(RewardDeclarationError):
+    """A reward returned a value outside [0, 1] (a bug in its definition: rescale it)."""
+
+
+RANGE_SLACK = 1e-6  # float rounding: a value this close outside [0, 1] is clamped, not refused
+
+
+def _range_error(name: str, value: float, sample: Mapping[str, Any], candidate: str) -> RewardRangeError:
+    return RewardRangeError(
+        f"reward {name!r} returned {value!r} for record {sample.get('id')!r} (candidate {candidate[:80]!r}), outside "
+        "[0, 1]: every reward dimension must lie in [0, 1] (VPO compares weighted sums of them; TRL takes any float). "
+        "Rescale it in the function, e.g. (r + 1) / 2 for a reward in [-1, 1], or min(r / R, 1.0) for one in [0, R]")
+
+
+def _in_range(values: list[float], name: str, sample: Mapping[str, Any], candidate: str) -> list[float]:
+    """``values`` clamped to [0, 1] within :data:`RANGE_SLACK` (NaN passes: a failure), else
+    :class:`RewardRangeError`."""
+    for v in values:
+        if not math.isnan(v) and not -RANGE_SLACK <= v <= 1.0 + RANGE_SLACK:
+            raise _range_error(name, v, sample, candidate)
+    return [v if math.isnan(v) else min(1.0, max(0.0, v)) for v in values]
+
+
 class BrokenRewardError(RuntimeError):
     """A reward failed on every one of its first ``fail_after`` calls: it is broken, so the run stops."""
 
@@ -261,7 +310,6 @@ class RewardVector:
         self.successes = {e.name: 0 for e in self.entries}
         self._last_error: dict[str, str] = {}
         self._lock = threading.Lock()  # parallel rewards update the counts from pool threads
-        self._reported = 0
 
     @property
     def dim(self) -> int:
@@ -308,11 +356,14 @@ class RewardVector:
         try:
             out = entry.fn(candidate, sample)
             values = [float(out)] if len(entry.dims) == 1 and not isinstance(out, Sequence) else [float(v) for v in out]
-            bad = [v for v in values if math.isnan(v) or not 0.0 <= v <= 1.0]
-            if bad:
-                raise ValueError(f"returned {bad[0]!r}, outside [0, 1]")
+            values = _in_range(values, entry.name, sample, candidate)
+            if any(math.isnan(v) for v in values):
+                raise ValueError("returned NaN")
+        except RewardRangeError:
+            raise
         except Exception as err:  # noqa: BLE001 - model output must not stop training
-            message = f"reward {entry.name!r} failed on candidate {candidate[:200]!r}: {type(err).__name__}: {err}"
+            message = (f"reward {entry.name!r} failed on record {sample.get('id')!r} (candidate "
+                       f"{candidate[:200]!r}): {type(err).__name__}: {err}")
             self._record_failure(entry.name, message, errors)
             return None
         if len(values) != width:
@@ -349,19 +400,19 @@ class RewardVector:
         except RewardDeclarationError:
             raise
         except Exception as err:  # noqa: BLE001 - as for per-candidate rewards: scored 0, counted, reported
-            message = f"reward {entry.name!r} failed on a batch of {len(jobs)} completions: {type(err).__name__}: {err}"
+            message = (f"reward {entry.name!r} failed on a batch of {len(jobs)} completions (first record "
+                       f"{samples[jobs[0][0]].get('id')!r}): {type(err).__name__}: {err}")
             self._record_failure(entry.name, message, errors, count=len(jobs))
             return [None] * len(jobs)  # every candidate of the batch scores 0 on every dimension
         results = []
-        for (_, _, cand), value in zip(jobs, out):
+        for (i, _, cand), value in zip(jobs, out):
             if value is None:  # TRL: NaN, then nansum over functions -> no contribution
                 results.append([0.0])
                 continue
-            v = float(value)
-            if math.isnan(v) or not 0.0 <= v <= 1.0:
-                self._record_failure(entry.name, f"reward {entry.name!r} returned {value!r} on candidate "
-                                     f"{cand[:200]!r}, outside [0, 1]: VPO needs every dimension in [0, 1] (TRL "
-                                     "takes any float); rescale it, e.g. (r + 1) / 2 for a reward in [-1, 1]", errors)
+            (v,) = _in_range([float(value)], entry.name, samples[i], cand)
+            if math.isnan(v):
+                self._record_failure(entry.name, f"reward {entry.name!r} returned NaN on record "
+                                     f"{samples[i].get('id')!r} (candidate {cand[:200]!r})", errors)
                 results.append(None)  # an invalid value fails the candidate, as for our own rewards
                 continue
             results.append([v])
@@ -370,13 +421,15 @@ class RewardVector:
         return results
 
     def _record_failure(self, name: str, message: str, errors: list[str], count: int = 1) -> None:
+        """Count a failure; the first of each reward is printed (one line), the rest only counted."""
         with self._lock:
             errors.append(message)
+            first = self.failures[name] == 0
             self.failures[name] += count
             self._last_error[name] = message
-            report, self._reported = self._reported < self.MAX_REPORTS, self._reported + 1
-        if report:
-            log.warning(message)
+        if first:
+            log.warning("%s; the candidate scores 0 on every dimension. Further failures of %r are counted "
+                        "(train/reward/errors), not printed", message, name)
 
     def _check_broken(self) -> None:
         if self.fail_after is None:

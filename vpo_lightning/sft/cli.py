@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from vpo_lightning.sft.data import SFTDataModule
 from vpo_lightning.sft.module import SFTModule
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
-from vpo_lightning.training.cli import TRAINER_DEFAULTS, VPOCLI
+from vpo_lightning.training.cli import SEED_DEFAULT, TRAINER_DEFAULTS, VPOCLI
 from vpo_lightning.training.runtime import report_error
 
 
@@ -43,7 +43,7 @@ def make_cli(args: list[str], run: bool = True) -> SFTCLI:
     return SFTCLI(SFTModule, SFTDataModule, args=argv, run=run,
                   parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
                   save_config_kwargs={"overwrite": True}, subclass_mode_model=False, subclass_mode_data=False,
-                  auto_configure_optimizers=False)
+                  auto_configure_optimizers=False, seed_everything_default=SEED_DEFAULT)
 
 
 def main(args: list[str]) -> Any:

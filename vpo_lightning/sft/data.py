@@ -15,7 +15,6 @@ checkpoint), so ``--ckpt_path last`` resumes at the next unseen batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from pathlib import Path
@@ -27,15 +26,18 @@ from torch.utils.data import DataLoader
 
 from vpo_lightning.core.packing import packed_attention_mask
 from vpo_lightning.training.datamodule import StreamDataModule
+from vpo_lightning.training.records import template_tools
 
 log = logging.getLogger(__name__)
 
 
-def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], completion: str) -> dict[str, list[int]]:
-    """``{"prompt_ids", "completion_ids"}``: the rollout's prompt tokens and the completion's tokens + EOS."""
+def tokenize_example(tokenizer: Any, messages: list[dict[str, str]], completion: str,
+                     tools: list[dict] | None = None) -> dict[str, list[int]]:
+    """``{"prompt_ids", "completion_ids"}``: the rollout's prompt tokens (``tools`` to the chat template, as
+    :func:`vpo_lightning.training.records.template_tools` gives them) and the completion's tokens + EOS."""
     from vpo_lightning.generation.models import prompt_token_ids
 
-    prompt = prompt_token_ids(tokenizer, messages)
+    prompt = prompt_token_ids(tokenizer, messages, tools)
     comp = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return {"prompt_ids": prompt, "completion_ids": comp}
 
@@ -89,9 +91,11 @@ class SFTDataModule(StreamDataModule):
     """Demonstrations for ``vpo sft``: built from a task's training files, or read ready-made.
 
     Args:
-        train_files: training JSONL files. With a ``builder``, task records (data/<task>/train.jsonl; val/test
-            files are refused); with ``builder: none``, ready demonstrations ``{"messages": [...], "completion":
-            str}`` (the messages end with the user turn; the completion is the assistant's reply).
+        train_files: training data. With a ``builder``, task records (data/<task>/train.jsonl; val/test files are
+            refused); with ``builder: none``, ready demonstrations in TRL's SFT formats (prompt-completion, standard
+            or conversational; ``messages`` with assistant turns, each turn learnt) or ours (``{"messages": [...],
+            "completion": str}``), from JSONL, JSON, Parquet, CSV, a ``save_to_disk`` folder or a Hub id, as
+            ``vpo fit`` reads them. The loss is on the completions only.
         builder: tooluse, maze (random walks), maze_shortest (random shortest routes) or maze_direct (shortest,
             then one-detour routes in chains): demonstrations built from the records (vpo_lightning/sft/demos.py);
             or none.
@@ -163,7 +167,7 @@ class SFTDataModule(StreamDataModule):
     def _tokenize(self, demos: list[dict[str, Any]], tok: Any) -> list[dict[str, Any]]:
         out, dropped = [], 0
         for d in demos:
-            ex = tokenize_example(tok, d["messages"], d["completion"])
+            ex = tokenize_example(tok, d["messages"], d["completion"], template_tools(d))
             if (self.max_prompt_tokens and len(ex["prompt_ids"]) > self.max_prompt_tokens) or (
                     self.max_completion_tokens and len(ex["completion_ids"]) > self.max_completion_tokens):
                 dropped += 1
@@ -199,28 +203,89 @@ class SFTDataModule(StreamDataModule):
         return self._loader(self._stream(self.val_examples, self.batch_size, shuffle=False))
 
 
-def _read_demos(path: str | Path) -> list[dict[str, Any]]:
-    """Ready-made demonstrations: one ``{"messages": [...], "completion": str}`` a line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist (check data.train_files)")
-    out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-        msgs = d.get("messages") if isinstance(d, dict) else None
-        if not isinstance(msgs, list) or not msgs or not isinstance(d.get("completion"), str):
-            raise ValueError(f"{where}: a demonstration needs 'messages' (ending with the user turn) and a "
-                             "'completion' string (or set data.builder to tooluse/maze for task records)")
-        if not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "user":
-            raise ValueError(f"{where}: the last message must have role 'user' (the completion answers it)")
-        d.setdefault("id", f"{path.stem}-{lineno}")
-        out.append(d)
+SFT_FORMATS = ("TRL prompt-completion {'prompt': str or messages, 'completion': str or [assistant message]}, "
+               "TRL conversational {'messages': [..., {'role': 'assistant', ...}, ...]} (every assistant turn is "
+               "learnt), or ours {'messages': [... user turn], 'completion': str}")
+
+
+def _messages(value: Any, field: str, where: str) -> list[dict[str, Any]]:
+    """A checked list of ``{role, content}`` messages (Arrow's null keys dropped)."""
+    from vpo_lightning.training.records import _ROLES, _message
+
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: {field!r} must be a non-empty list of {{role, content}} messages")
+    out = [_message(m) for m in value]
+    for i, msg in enumerate(out):
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES or not isinstance(msg.get("content"), str):
+            raise ValueError(f"{where}: {field}[{i}] must be {{'role': one of {sorted(_ROLES)}, 'content': str}}")
+    return out
+
+
+def _completion_text(value: Any, where: str) -> str:
+    """A completion: a string (standard) or one assistant message (conversational)."""
+    if isinstance(value, str):
+        return value
+    messages = _messages(value, "completion", where)
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        raise ValueError(f"{where}: a conversational 'completion' must be one assistant message, got roles "
+                         f"{[m['role'] for m in messages]}")
+    return messages[0]["content"]
+
+
+def sft_examples(row: Any, where: str, default_id: str) -> list[dict[str, Any]]:
+    """The demonstrations of one data row, each ``{"id", "messages" (the prompt), "completion", "source_id",
+    "tools"}``; the loss is on the completion only (TRL's ``completion_only_loss`` / ``assistant_only_loss``).
+
+    Accepted (:data:`SFT_FORMATS`): TRL's prompt-completion records, standard or conversational; TRL's conversational
+    language-modelling records, ``messages`` with assistant turns, giving one demonstration per assistant turn (the
+    conversation before it as the prompt, so earlier replies are context, not loss); and ours, ``messages`` ending
+    with the user turn plus a ``completion`` string. Errors name ``where`` (file and line or row).
+    """
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    rid = row.get("id") if row.get("id") is not None else default_id
+    tools = row.get("tools")
+    if tools is not None:
+        from vpo_lightning.training.records import _tools
+
+        tools = _tools(tools, where)
+    if row.get("completion") is not None:
+        if row.get("messages") is not None:
+            prompt = _messages(row["messages"], "messages", where)
+        elif row.get("prompt") is not None:
+            from vpo_lightning.training.records import _prompt_messages
+
+            prompt = _prompt_messages(row["prompt"], where)
+            prompt = _messages(prompt, "prompt", where) if isinstance(row["prompt"], list) else prompt
+        else:
+            raise ValueError(f"{where}: a 'completion' needs a 'prompt' (or 'messages') to answer")
+        if prompt[-1]["role"] == "assistant":
+            raise ValueError(f"{where}: the prompt ends with an assistant turn; it must end with the turn the "
+                             "completion answers (user)")
+        return [{"id": rid, "source_id": rid, "messages": prompt, "completion": _completion_text(row["completion"],
+                                                                                                 where),
+                 "tools": tools}]
+    if row.get("messages") is not None:
+        messages = _messages(row["messages"], "messages", where)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+        if not turns:
+            raise ValueError(f"{where}: 'messages' has no assistant turn to learn (a prompt-only record is `vpo fit` "
+                             f"data); a demonstration is one of: {SFT_FORMATS}")
+        return [{"id": f"{rid}-turn{k}" if len(turns) > 1 else rid, "source_id": rid, "messages": messages[:i],
+                 "completion": messages[i]["content"], "tools": tools} for k, i in enumerate(turns, start=1)]
+    if row.get("text") is not None:
+        raise ValueError(f"{where}: a 'text' record (TRL's language-modelling format) has no prompt to condition on, "
+                         f"and `vpo sft` learns completions only; give one of: {SFT_FORMATS}")
+    raise ValueError(f"{where}: not a demonstration (fields {sorted(row)}); give one of: {SFT_FORMATS} (or set "
+                     "data.builder to tooluse/maze for task records)")
+
+
+def _read_demos(source: str | Path) -> list[dict[str, Any]]:
+    """Ready-made demonstrations from any source ``vpo fit`` reads (JSONL, JSON, Parquet, CSV, a ``save_to_disk``
+    folder, a Hub id), in any format of :func:`sft_examples`."""
+    from vpo_lightning.training.records import read_rows
+
+    out = [d for where, default_id, row in read_rows(source) for d in sft_examples(row, where, default_id)]
     if not out:
-        raise ValueError(f"data file {str(path)!r} is empty: it needs one demonstration per line")
+        raise ValueError(f"data {str(source)!r} has no demonstrations")
     return out

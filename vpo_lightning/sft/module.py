@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from vpo_lightning.core.losses import per_token_logprobs
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.sft.data import pack_examples
-from vpo_lightning.training.policy import PolicyModule, lr_factor, peak_rss_gb
+from vpo_lightning.training.policy import PolicyModule, lr_factor, lr_shape, peak_rss_gb
 
 __all__ = ["SFTModule", "SFTOptimSettings", "lr_factor", "row_nll"]
 
@@ -31,13 +31,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SFTOptimSettings:
-    """SFT optimiser settings (AdamW; linear warm-up, then linear decay to ``min_lr_ratio`` at max_steps).
+    """SFT optimiser settings (AdamW; linear warm-up, then a linear or cosine decay to ``min_lr_ratio`` at max_steps).
 
     Args:
         lr: peak learning rate (LoRA: ~1e-4..5e-4).
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr`` (1.0 = constant).
+        schedule: the decay after the warm-up: linear or cosine (TRL's lr_scheduler_type).
         max_grad_norm: gradient clipping norm (0 = off).
         logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
         max_bad_steps: stop with an error after this many non-finite steps in a row.
@@ -47,6 +48,7 @@ class SFTOptimSettings:
     weight_decay: float = 0.0
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
+    schedule: Literal["linear", "cosine"] = "linear"
     max_grad_norm: float = 1.0
     logprob_chunk_size: int = 1024
     max_bad_steps: int = 3
@@ -81,10 +83,6 @@ class SFTModule(PolicyModule):
         super().__init__(model, optim)
         self.save_hyperparameters()
         self._val_sum, self._val_count = 0.0, 0
-
-    @property
-    def min_lr_ratio(self) -> float:  # type: ignore[override]
-        return self.optim_settings.min_lr_ratio
 
     def rows(self, examples: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
         """Packed rows of a batch, on the module's device, with the mask type the attention wants."""
@@ -153,6 +151,7 @@ class SFTModule(PolicyModule):
         """Set the learning rate from the schedule at the current step: a run resumed with another
         ``trainer.max_steps`` follows the new schedule instead of the learning rate saved with the optimizer."""
         o, sched = self.optim_settings, self.lr_schedulers()
-        factor = lr_factor(sched.last_epoch, o.warmup_steps, max(1, int(self.trainer.max_steps or 1)), o.min_lr_ratio)
+        shape, min_ratio = lr_shape(o)
+        factor = lr_factor(sched.last_epoch, o.warmup_steps, max(1, int(self.trainer.max_steps or 1)), min_ratio, shape)
         for group, base in zip(self.optimizers().optimizer.param_groups, sched.base_lrs):
             group["lr"] = base * factor

@@ -5,6 +5,13 @@ moment leaves either the previous complete file or the new complete file. The ad
 same way (temporary directory, then rename) by :func:`vpo_lightning.generation.adapters.write_adapter_folder`: it loads
 with plain ``PeftModel.from_pretrained`` and vLLM and gives the trained policy, also after a two-stage run (the starting
 adapter is stacked in), and it carries the tokenizer and a model card.
+
+Preemption: SIGTERM (a cluster or a spot machine taking the job back) stops the run at the next safe point and writes
+``last.ckpt`` there (atomically, as any checkpoint): during a rollout, at once, as of the end of the step before (the
+rollout's samples are dropped: nothing of the step has touched the weights, the data position or the token count);
+during the update, at the end of the step; during in-loop validation, after the validation rollout in progress, as of
+the step before it. ``vpo fit`` then exits with code 143 (128 + SIGTERM) instead of 0, so a
+scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder, as if never stopped.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from weakref import proxy
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +54,10 @@ class AdapterCheckpoint(ModelCheckpoint):
             this in config.yaml); accepted so that the config.yaml of older runs still loads.
         every_n_train_steps: save ``step=N.ckpt`` every this many optimizer steps.
         save_last: keep ``last.ckpt`` up to date (needed for ``--ckpt_path last``).
-        save_top_k: how many ``step=N.ckpt`` files to keep (-1 = all).
+        save_top_k: Lightning's: -1 keeps every ``step=N.ckpt`` (there is no metric to rank checkpoints by; to keep
+            fewer, use ``keep_last``).
+        keep_last: keep only the newest this many ``step=N.ckpt`` files and their ``adapters/step=N`` (TRL's
+            ``save_total_limit``); ``last.ckpt`` and ``adapters/last`` are always kept. None = keep all.
         export_adapter: also export the adapter in PEFT format to ``adapters/<checkpoint name>/``.
         push_to_hub: at the end of training, upload ``adapters/last`` to the Hugging Face hub (needs network and a
             token: ``huggingface-cli login`` or ``HF_TOKEN``).
@@ -58,6 +70,7 @@ class AdapterCheckpoint(ModelCheckpoint):
         every_n_train_steps: int = 50,
         save_last: bool = True,
         save_top_k: int = -1,
+        keep_last: int | None = None,
         export_adapter: bool = True,
         push_to_hub: bool = False,
         hub_model_id: str | None = None,
@@ -68,6 +81,10 @@ class AdapterCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.export = export_adapter
+        if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
+            raise ValueError(f"checkpoint.keep_last must be a positive number of checkpoints or null, got "
+                             f"{keep_last!r}")
+        self.keep_last = keep_last
         if push_to_hub and (not hub_model_id or hub_model_id.count("/") != 1):
             raise ValueError(f"checkpoint.push_to_hub=true needs checkpoint.hub_model_id=<user or org>/<name>, "
                              f"got {hub_model_id!r}")
@@ -111,9 +128,58 @@ class AdapterCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("adapter_checkpoint")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if self.keep_last is not None and Path(filepath).name.startswith("step="):
+            self._drop_old_steps(trainer, Path(filepath).parent)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def _drop_old_steps(self, trainer: L.Trainer, run_dir: Path) -> None:
+        """Remove ``step=N.ckpt`` files (and their adapters) beyond the newest ``keep_last``."""
+        def step(path: Path) -> int:
+            number = path.stem.removeprefix("step=")
+            return int(number) if number.isdigit() else -1
+
+        steps = sorted((p for p in run_dir.glob("step=*.ckpt") if step(p) >= 0), key=step)
+        for old in steps[: max(0, len(steps) - int(self.keep_last or 0))]:
+            self._remove_checkpoint(trainer, str(old))
+
+    def save_before_step(self, trainer: L.Trainer) -> None:
+        """``last.ckpt`` as of the end of the previous step, from inside the rollout of step ``global_step`` (a
+        SIGTERM stopped it): Lightning's loop counters are put back to where that step's end left them (the
+        rollout's batch was fetched, not processed), so the checkpoint resumes as one written at that step's end."""
+        if not self.save_last or trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
+            return  # nothing trained yet, or that checkpoint exists
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress
+        if progress.current.processed < 1:  # the first batch of an epoch: its counters cannot be put back
+            log.warning("SIGTERM during the first rollout of an epoch: last.ckpt is not rewritten")
+            return
+        for tracker in (progress.total, progress.current):  # [ready, started, processed, completed] = [k, k, k, k-1]
+            tracker.ready, tracker.started, tracker.completed = tracker.processed, tracker.processed, \
+                tracker.processed - 1
+        loop._batches_that_stepped -= 1  # counted when step k - 1 ended, after its checkpoint hook
+        log.warning("SIGTERM received during the rollout of step %d: writing last.ckpt as of the end of step %d",
+                    trainer.global_step, trainer.global_step - 1)
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """After a SIGTERM during in-loop validation (between two training steps, where Lightning itself saves on
+        validation end), ``last.ckpt`` of the step that preceded it."""
+        super().on_exception(trainer, pl_module, exception)
+        if (isinstance(exception, SIGTERMException) and trainer.validating and self.save_last
+                and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step):
+            log.warning("SIGTERM received during validation: writing last.ckpt as of step %d", trainer.global_step)
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Lightning's every-N-steps checkpoint; after a SIGTERM, also ``last.ckpt`` of this step (Lightning stops
+        the run right after this hook, with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.received_sigterm and self.save_last and self._last_global_step_saved != trainer.global_step:
+            log.warning("SIGTERM received: step %d finished, writing last.ckpt before stopping", trainer.global_step)
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)

@@ -29,7 +29,9 @@ from typing import Any
 from jsonargparse import ActionYesNo
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vpo_lightning.rewards import BrokenRewardError, add_config_dir
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
 from vpo_lightning.training.config import get
@@ -49,10 +51,10 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "trainer.log_every_n_steps": 1,
     "trainer.num_sanity_val_steps": 0,
     "trainer.enable_model_summary": False,
+    # no hp_metric (a constant -1) and no LearningRateMonitor (its lr-AdamW repeats train/lr): tags that say nothing
     "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": ""}},
-    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"},
-                          {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
+                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": "", "default_hp_metric": False}},
+    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"}],
     "trainer.check_val_every_n_epoch": None,
     "trainer.val_check_interval": 50,
 }
@@ -101,6 +103,7 @@ class VPOCLI(LightningCLI):
 
     run_folder: run_folders.RunFolder | None = None
     sandbox: dict[str, Any] | None = None  # the isolation of a run whose rewards run model-written code
+    raise_parse_errors = False  # True: a bad value raises ValueError instead of printing and exiting 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_callback", run_folders.RunConfigSaver)
@@ -132,6 +135,8 @@ class VPOCLI(LightningCLI):
         """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
         for name, sub in getattr(self, "_subcommand_parsers", {}).items():
             sub.prog = self.PROGS.get(name, sub.prog)
+        if isinstance(args, list):  # one style everywhere: --run-name is --run_name, --trainer.max-steps ...
+            args = [underscored(a) for a in args]
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         saved = [p.exit_on_error for p in parsers]
         for p in parsers:
@@ -141,6 +146,8 @@ class VPOCLI(LightningCLI):
         except ArgumentError as err:
             if os.environ.get("VPO_DEBUG") or isinstance(args, dict):
                 raise
+            if self.raise_parse_errors:  # the notebook entry point: an exception, not an exit
+                raise ValueError(" ".join(str(err).split())) from None
             argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
             subcommands = sorted(getattr(self, "_subcommand_parsers", {}))
             sub = getattr(self, "_subcommand_parsers", {}).get(argv[0]) if argv else None
@@ -158,6 +165,8 @@ class VPOCLI(LightningCLI):
             if problems:
                 raise ValueError("\n  ".join(problems))
             self.sandbox = sandbox_summary(list(get(cfg, "rollout.rewards") or []))
+        for path in cfg.get("config") or []:  # dotted reward paths also resolve beside the config (my_rewards.py)
+            add_config_dir(Path(getattr(path, "absolute", str(path))).parent)
         run_dir = Path(OUTPUT_ROOT) / cfg["run_name"]
         training = self.subcommand == "fit"
         log_dir = run_dir if training else run_dir / str(self.subcommand)  # validate/test: <run>/validate/version_N
@@ -188,9 +197,11 @@ class VPOCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as err:
             if self.run_folder is not None:
                 self.run_folder.abandon()
+            if isinstance(err, SIGTERMException):  # Lightning's is a SystemExit with code 0: a preempted job
+                raise SystemExit(_preempted(self.trainer)) from None  # must not look like a finished one
             raise
         if self.run_folder is not None:
             self.run_folder.commit()
@@ -200,7 +211,8 @@ class VPOCLI(LightningCLI):
         if self.trainer.is_global_zero:
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
-            print(f"configuration: {path} (vpo fit ... --print_config prints it)", flush=True)
+            prog = self.PROGS.get("fit", "vpo fit")  # vpo sft's says vpo sft
+            print(f"configuration: {path} ({prog} ... --print_config prints it)", flush=True)
             self._report_sandbox(path.parent)
 
     def before_validate(self) -> None:
@@ -219,6 +231,30 @@ class VPOCLI(LightningCLI):
               f"{folder / 'sandbox.json'}", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def underscored(token: str) -> str:
+    """``--run-name=x`` -> ``--run_name=x``: an option's key with dashes as underscores (its value untouched); other
+    tokens as they are. The keys of `vpo fit` and `vpo sft` are Python names, which never hold a dash."""
+    if not token.startswith("--") or len(token) < 3:
+        return token
+    key, eq, value = token[2:].partition("=")
+    return "--" + key.replace("-", "_") + eq + value
+
+
+SEED_DEFAULT = 0  # seed_everything of a config that sets none: reproducible, and no "No seed found" warning
+SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended
+
+
+def _preempted(trainer: Any) -> int:
+    """Say where a run stopped by SIGTERM can be resumed from; the exit code."""
+    last = Path(trainer.default_root_dir) / "last.ckpt"
+    if last.is_file():
+        print(f"vpo: stopped by SIGTERM after step {trainer.global_step}; {last} is saved: resume with the same "
+              "command and --ckpt_path last", file=sys.stderr, flush=True)
+    else:
+        print("vpo: stopped by SIGTERM before the first step finished; nothing was saved", file=sys.stderr, flush=True)
+    return SIGTERM_EXIT
 
 
 def _last_checkpoint(run_dir: str) -> str:
@@ -241,6 +277,7 @@ def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
         subclass_mode_model=False,
         subclass_mode_data=False,
         auto_configure_optimizers=False,  # the module's optimizer settings are model.optim.*; no --optimizer
+        seed_everything_default=SEED_DEFAULT,
     )
 
 
@@ -248,7 +285,7 @@ def main(argv: list[str]) -> None:
     """``vpo fit|validate ...`` as a command: bad input gets a one-line error and exit code 2."""
     try:
         run_lightning(list(argv))
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError,
+    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, BrokenRewardError,
             MisconfigurationException) as err:
         raise SystemExit(report_error("vpo", err)) from None
 

@@ -64,6 +64,19 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "dataset_name": ("data.train_files", "a file, a save_to_disk folder or a Hub id"),
     "train_dataset": ("data.train_files", "a file, a save_to_disk folder or a Hub id"),
     "eval_dataset": ("data.val_files", ""),
+    "report_to": ("trainer.logger", "TensorBoard under checkpoints/<run_name>/ by default; any Lightning logger "
+                  "(e.g. lightning.pytorch.loggers.WandbLogger) as trainer.logger"),
+    "warmup_ratio": ("model.optim.warmup_steps", "a number of steps: warmup_ratio x trainer.max_steps"),
+    "lr_scheduler_type": ("model.optim.schedule", "constant (the default), linear or cosine, decaying to "
+                          "model.optim.min_lr_ratio; the warm-up is model.optim.warmup_steps"),
+    "eval_steps": ("trainer.val_check_interval", "validation every this many steps"),
+    "eval_strategy": ("trainer.val_check_interval", "validation every this many steps; data.val_files empty: none"),
+    "save_total_limit": ("checkpoint.keep_last", "the newest N step=<N>.ckpt files and their adapters are kept"),
+    "scale_rewards": ("rollout.estimator", "the advantage scaling comes with the estimator (vpo and grpo: z-score "
+                      "within the prompt group, TRL's scale_rewards='group'); it is not a separate switch"),
+    "log_completions": ("rollout.log_samples_every", "a table of sample completions in TensorBoard every N steps; "
+                        "rollout.save_completions=true writes every chain to completions/rank<r>.jsonl"),
+    "num_completions_to_print": ("rollout.log_samples_every", "sample completions go to TensorBoard's text tab"),
 }
 # value spellings of torch/TRL -> ours, for the Literal dtype keys
 VALUE_ALIASES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float32": "fp32", "float": "fp32",
@@ -86,7 +99,7 @@ class UnknownKey:
         return f"unknown key {self.key!r} in {self.where}.{hint}{' ' + self.note if self.note else ''}"
 
 
-def _unknown(key: str, where: str, known: frozenset[str]) -> UnknownKey:
+def unknown_key(key: str, where: str, known: frozenset[str]) -> UnknownKey:
     last = key.rpartition(".")[2]
     if last in TRL_NAMES and TRL_NAMES[last][0] in known:
         ours, why = TRL_NAMES[last]
@@ -184,7 +197,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
     leaves, sections = known_keys(parser)
     known = leaves | sections
     given = command_line_keys(argv)
-    found = [_unknown(k, "the command line", known)
+    found = [unknown_key(k, "the command line", known)
              for k in given if k not in ("help", "config") and not is_known(k, leaves, sections)]
     found += [_renamed(k, "the command line") for k in given if k in RENAMED_KEYS]
     for path in config_paths(argv):
@@ -193,7 +206,7 @@ def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
-            found += [_unknown(k, path, known) for k in config_file_keys(data, leaves, sections)]
+            found += [unknown_key(k, path, known) for k in config_file_keys(data, leaves, sections)]
             found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k) is not None]
     return found
 
@@ -382,13 +395,47 @@ def vllm_budget_problems(cfg: Any) -> list[str]:
             "lower data.max_prompt_tokens or rollout.sampling.max_new_tokens."]
 
 
+_PRECISION_DTYPES = {"bf16": "bf16", "16": "fp16", "32": "fp32", "64": "fp32", "transformer-engine": "bf16"}
+
+
+def lightning_only_keys(cfg: Any) -> list[str]:
+    """Trainer keys that ``vpo fit --help`` lists (Lightning's) but this project does not use, set to something
+    else than their default: each with the project's own key for it. The policy updates itself (manual
+    optimisation: Lightning's clipping and accumulation never run) and is loaded in one dtype."""
+    problems = []
+    precision = get(cfg, "trainer.precision")
+    if precision is not None and str(precision) not in ("32", "32-true"):
+        dtype = _PRECISION_DTYPES.get(str(precision).split("-")[0], "bf16")
+        problems.append(f"trainer.precision={precision}: Lightning's precision plugins are not used here (the policy "
+                        f"is loaded in one dtype, which the rollout engine shares); set --model.model.dtype {dtype} "
+                        "instead (auto: bf16 where the hardware computes it, else fp32)")
+    clip = get(cfg, "trainer.gradient_clip_val")
+    if clip is not None or get(cfg, "trainer.gradient_clip_algorithm") is not None:
+        shown = f" {clip}" if clip is not None else ""
+        problems.append(f"trainer.gradient_clip_val / gradient_clip_algorithm: Lightning's clipping does not run "
+                        f"here; the update clips the gradient norm itself: set --model.optim.max_grad_norm{shown} "
+                        "(default 1.0, 0 = off)")
+    accumulate = get(cfg, "trainer.accumulate_grad_batches")
+    if accumulate not in (None, 1):
+        problems.append(f"trainer.accumulate_grad_batches={accumulate}: a step already accumulates the gradient of "
+                        "its whole batch over micro-batches; for a larger batch raise --data.batch_size (x"
+                        f"{accumulate}), and bound memory with --model.optim.micro_batch_size")
+    return problems
+
+
 def preflight(cfg: Any) -> list[str]:
-    """Problems with options that need a package or a GPU this machine lacks; each says what to do instead.
+    """Problems with options that need a package or a GPU this machine lacks, or Lightning trainer keys this project
+    does not use (:func:`lightning_only_keys`); each says what to do instead.
 
     Args:
         cfg: the parsed configuration of one subcommand (``trainer``, ``model``, ``rollout`` sections).
     """
-    problems = []
+    problems = lightning_only_keys(cfg)
+    if get(cfg, "checkpoint.push_to_hub"):  # the upload comes at the end of training: check it can work now
+        from vpo_lightning.generation.adapters import hub_push_problem
+
+        if problem := hub_push_problem(get(cfg, "checkpoint.hub_model_id")):
+            problems.append(f"checkpoint.push_to_hub: {problem}")
     accelerator = get(cfg, "trainer.accelerator")
     if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda") and not _has_cuda():
         import torch

@@ -28,6 +28,7 @@ from vpo_lightning.generation.attention import uses_vpo_attention
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.checkpointing import pause_point
 from vpo_lightning.training.policy import PolicyModule, peak_rss_gb
+from vpo_lightning.training.progress import show_phase
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,15 @@ class LossSettings:
 
 @dataclass
 class OptimSettings:
-    """Optimiser settings (AdamW, constant learning rate after a linear warm-up).
+    """Optimiser settings (AdamW; a linear warm-up, then a constant learning rate, or a linear or cosine decay).
 
     Args:
         lr: learning rate; LoRA wants ~1e-5..1e-4 (full fine-tuning ~1e-6).
         weight_decay: AdamW weight decay (the reference's 0.01).
         warmup_steps: linear warm-up steps.
+        schedule: after the warm-up: constant (the reference's), or a linear or cosine decay to ``min_lr_ratio`` x lr
+            at trainer.max_steps (TRL's lr_scheduler_type).
+        min_lr_ratio: the learning rate at the last step, as a fraction of lr, for the linear and cosine schedules.
         max_grad_norm: gradient clipping norm (0 = off).
         num_iterations: passes over each rollout batch (PPO epochs); each pass makes ``mini_batches`` updates.
         mini_batches: optimizer updates per pass over a rollout, each on its own contiguous 1/mini_batches of the
@@ -77,6 +81,8 @@ class OptimSettings:
     lr: float = 5e-5
     weight_decay: float = 0.01
     warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     num_iterations: int = 1
     mini_batches: int = 2
@@ -86,6 +92,8 @@ class OptimSettings:
     max_bad_steps: int = 3
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("num_iterations", "mini_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -299,12 +307,14 @@ class VPOModule(PolicyModule):
         t0 = time.perf_counter()
         parts = self._mini_batch_parts(ro)  # beta = 0: chains with zero advantage carry no gradient
         updates = self.optim_settings.num_iterations * len(parts)
+        show_phase(self._trainer, self, "log-probs", force=True)
         # old log-probs of every part come from the policy before the rollout's first update
         prepared = [(part, trained, self._prepare(trained, keep_old=updates > 1)) for part, trained in parts]
         gap_sum, gap_tokens, done, all_stats, skipped, bad_stats = 0.0, 0.0, 0, [], 0, None
         for iteration in range(self.optim_settings.num_iterations):
             for part, trained, mbs in prepared:
                 done += 1
+                show_phase(self._trainer, self, f"update {done}/{updates}", force=True)
                 stats = self._backward_pass(part, mbs, trained.engine_logprobs if iteration == 0 else None)
                 if "engine_logprob_gap" in stats:
                     tokens = float(trained.completion_mask.sum())

@@ -9,6 +9,7 @@ only the trainable weights (the adapter) with the guard's count.
 from __future__ import annotations
 
 import logging
+import math
 import resource
 from typing import Any
 
@@ -26,12 +27,24 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 1.0) -> float:
-    """Linear warm-up over ``warmup`` steps to 1, then linear decay to ``min_ratio`` at step ``total`` (1.0: none)."""
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 1.0, shape: str = "linear") -> float:
+    """Linear warm-up over ``warmup`` steps to 1, then a decay to ``min_ratio`` at step ``total`` (1.0: none), linear
+    or (``shape="cosine"``) along half a cosine, as TRL's ``lr_scheduler_type="cosine"``."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    span = max(1, total - warmup)
-    return max(min_ratio, 1.0 - (1.0 - min_ratio) * (step - warmup) / span)
+    done = min(1.0, (step - warmup) / max(1, total - warmup))  # fraction of the decay behind
+    if shape == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * done))
+    return max(min_ratio, 1.0 - (1.0 - min_ratio) * done)
+
+
+def lr_shape(optim: Any) -> tuple[str, float]:
+    """``(shape, min_ratio)`` of an optimiser settings object's schedule: ``schedule`` constant (the default of
+    `vpo fit`), linear or cosine, decaying to ``min_lr_ratio``."""
+    schedule = getattr(optim, "schedule", "constant")
+    if schedule == "constant":
+        return "linear", 1.0
+    return schedule, float(getattr(optim, "min_lr_ratio", 0.0))
 
 
 class PolicyModule(L.LightningModule):
@@ -42,7 +55,6 @@ class PolicyModule(L.LightningModule):
     """
 
     needs_reference = True  # full fine-tuning keeps a frozen copy of the base (the KL's reference)
-    min_lr_ratio = 1.0  # learning rate at the last step, as a fraction of lr (1.0: constant after the warm-up)
 
     def __init__(self, model: ModelSettings, optim: Any) -> None:
         super().__init__()
@@ -109,8 +121,8 @@ class PolicyModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim_settings
         opt = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, weight_decay=o.weight_decay)
-        total, min_ratio = self._schedule_total(), self.min_lr_ratio
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o.warmup_steps, total, min_ratio))
+        total, (shape, min_ratio) = self._schedule_total(), lr_shape(o)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o.warmup_steps, total, min_ratio, shape))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

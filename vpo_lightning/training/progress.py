@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from typing import Any
 
 import lightning as L
@@ -19,13 +20,29 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 
 class StepProgressBar(RichProgressBar):
-    """Rich progress bar over the whole run: step / max_steps, reward, tokens/s, elapsed and ETA."""
+    """Rich progress bar over the whole run: step / max_steps, reward, tokens/s, elapsed and ETA, and inside a step
+    what it is doing (``now: rollout 12/16 chains, 840 tok``, then ``now: update 1/2``; :meth:`show_phase`)."""
+
+    PHASE_EVERY_S = 0.2  # the decode loop reports every token: redraw the phase at most this often
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         console = dict(kwargs.pop("console_kwargs", None) or {})
         if not sys.stdout.isatty():  # a file or a pipe: Rich would cut the line at 80 columns, metrics first
             console.setdefault("width", 120)
         super().__init__(*args, console_kwargs=console, **kwargs)
+        self.phase: str | None = None
+        self._phase_shown_at = 0.0
+
+    def show_phase(self, trainer: L.Trainer, pl_module: L.LightningModule, text: str | None,
+                   force: bool = False) -> None:
+        """Show ``text`` as the bar's ``now`` field until the step ends (None clears it); redrawn at most every
+        :data:`PHASE_EVERY_S` seconds unless ``force``."""
+        self.phase = text
+        now = time.monotonic()
+        if force or now - self._phase_shown_at >= self.PHASE_EVERY_S:
+            self._phase_shown_at = now
+            self._update_metrics(trainer, pl_module)
+            self.refresh()  # Lightning's refresh thread redraws only when asked to
 
     @property
     def total_train_batches(self) -> int | float:
@@ -56,10 +73,22 @@ class StepProgressBar(RichProgressBar):
         if self.train_progress_bar_id is None:  # one bar for the whole run, not one per epoch
             super().on_train_epoch_start(trainer, pl_module)
 
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict]:
+        """The logged bar metrics, then ``check``: a callback's ``progress_note`` while the run has no signal (the
+        rollout's format check: no answer parsed, no reward spread)."""
+        items = super().get_metrics(trainer, pl_module)
+        if self.phase:
+            items["now"] = self.phase
+        notes = [n for cb in trainer.callbacks if (n := getattr(cb, "progress_note", None))]
+        if notes:
+            items["check"] = "; ".join(notes)
+        return items
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.is_disabled and self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
+        self.phase = None  # the step is over
         self._update(self.train_progress_bar_id, trainer.global_step)
         self._update_metrics(trainer, pl_module)
 
@@ -82,6 +111,13 @@ class NoiseFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not self.pattern.search(record.getMessage())
+
+
+def show_phase(trainer: L.Trainer | None, pl_module: L.LightningModule, text: str | None, force: bool = False) -> None:
+    """:meth:`StepProgressBar.show_phase` on ``trainer``'s bar; nothing when it has another bar, or none."""
+    bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+    if isinstance(bar, StepProgressBar):
+        bar.show_phase(trainer, pl_module, text, force)
 
 
 def quiet_lightning_logs() -> None:

@@ -109,9 +109,14 @@ def _with_id(record: dict[str, Any], default: str) -> dict[str, Any]:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read and validate a JSONL prompt file; errors name the file, the line and the problem."""
+    return [_with_id(check_record(row, where), default_id) for where, default_id, row in _jsonl_rows(path)]
+
+
+def _jsonl_rows(path: str | Path) -> list[tuple[str, str, Any]]:
+    """``(where, default id, parsed JSON)`` of every non-blank line of a JSONL file (UTF-8 and JSON checked)."""
     path = Path(path)
     _check_path(path)
-    records = []
+    rows = []
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
@@ -126,10 +131,10 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            records.append(_with_id(check_record(record, where), f"{path.stem}-{lineno}"))
-    if not records:
+            rows.append((where, f"{path.stem}-{lineno}", record))
+    if not rows:
         raise ValueError(f"data file {str(path)!r} is empty: it needs one JSON record per line")
-    return records
+    return rows
 
 
 def _check_path(path: Path) -> None:
@@ -149,16 +154,17 @@ def _datasets() -> Any:
     return datasets
 
 
-def _rows(dataset: Any, source: str, line_offset: int | None) -> list[dict[str, Any]]:
-    """Validate the rows of a ``datasets.Dataset``: ``file:line`` when rows map to lines (CSV), else ``row N``."""
-    records = []
+def _rows(dataset: Any, source: str, line_offset: int | None) -> list[tuple[str, str, Any]]:
+    """``(where, default id, row)`` of a ``datasets.Dataset``: ``file:line`` when rows map to lines (CSV), else
+    ``row N``."""
+    rows = []
     stem = Path(source).stem or source.replace("/", "-")
     for i, row in enumerate(dataset):
         where = f"{source}:{i + line_offset}" if line_offset is not None else f"{source}: row {i + 1}"
-        records.append(_with_id(check_record(row, where), f"{stem}-{i + 1}"))
-    if not records:
+        rows.append((where, f"{stem}-{i + 1}", row))
+    if not rows:
         raise ValueError(f"data {source!r} has no rows")
-    return records
+    return rows
 
 
 def _saved_dataset(path: Path) -> Any:
@@ -202,10 +208,16 @@ def _hub_dataset(name: str) -> Any:
 def read_records(source: str | Path) -> list[dict[str, Any]]:
     """Read and validate prompt records from ``source``: a ``.jsonl``/``.json``/``.parquet``/``.csv`` file, a folder
     written by ``Dataset.save_to_disk``, or (when no such path exists) a Hub dataset id ``owner/name[:split]``."""
+    return [_with_id(check_record(row, where), default_id) for where, default_id, row in read_rows(source)]
+
+
+def read_rows(source: str | Path) -> list[tuple[str, str, Any]]:
+    """The rows of ``source`` as :func:`read_records` finds them, not yet checked as prompt records: ``(where,
+    default id, row)``, ``where`` naming the file and line or row (``vpo sft`` reads its demonstrations here)."""
     path = Path(source)
     if path.suffix == ".jsonl" or (path.is_dir() and not (path / "dataset_info.json").is_file()
                                     and not (path / "dataset_dict.json").is_file()):
-        return read_jsonl(path)
+        return _jsonl_rows(path)
     if path.is_dir():
         return _rows(_saved_dataset(path), str(path), None)
     if path.suffix in _DATASETS_BUILDERS:

@@ -21,11 +21,13 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from jsonargparse import lazy_instance
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from vpo_lightning.core import metrics
 from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
 from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.format_check import FormatCheck
 from vpo_lightning.core.protocol import (
     ChainProtocol,
     Estimator,
@@ -36,12 +38,17 @@ from vpo_lightning.core.protocol import (
 from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
-from vpo_lightning.training.checkpointing import pause_point
+from vpo_lightning.training.checkpointing import AdapterCheckpoint, pause_point
+from vpo_lightning.training.progress import action_needed, show_phase
 from vpo_lightning.training.records import template_tools
 
 __all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
 
 log = logging.getLogger(__name__)
+
+
+class RolloutInterrupted(Exception):
+    """Raised inside the engine's generation when a SIGTERM arrives: the rollout stops at the next token."""
 
 
 def _protocol_field(name: str) -> property:
@@ -120,6 +127,7 @@ class RolloutCallback(L.Callback):
         self.dynamic_sampling = dynamic_sampling
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
+        self.format_check = FormatCheck(estimator, self.m, tag_family)  # a run that cannot learn is told so
 
     # the chain protocol's settings, read from it (one copy): m is num_candidates for chain methods, else 1
     estimator = _protocol_field("estimator")
@@ -160,18 +168,50 @@ class RolloutCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int) -> None:
         self._ensure_engine(trainer, pl_module)
         stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
-        batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
-                                        pool=getattr(stream, "records", None))
+
+        def report(finished: int, total: int, tokens: int) -> None:  # the bar's `now` field during the rollout
+            if getattr(trainer, "received_sigterm", False):  # preempted: stop generating, save, exit
+                raise RolloutInterrupted
+            show_phase(trainer, pl_module, f"rollout {finished}/{total} chains, {tokens:,} tok",
+                       force=finished == total)
+
+        self.engine.progress = report
+        try:
+            batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
+                                            pool=getattr(stream, "records", None))
+        except RolloutInterrupted:
+            if isinstance(trainer.checkpoint_callback, AdapterCheckpoint):
+                trainer.checkpoint_callback.save_before_step(trainer)
+            raise SIGTERMException from None  # what Lightning raises after a step when SIGTERM came
+        finally:
+            self.engine.progress = None
         tokens = batch["rollout"].metrics["rollout/tokens"]
         if trainer.world_size > 1:  # every rank must agree on when the budget runs out
             tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
         self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])
+        if trainer.global_rank == 0:  # the format check reads this rank's chains; one rank prints
+            self._check_format(batch["rollout"])
         if self.log_samples_every and trainer.global_step % self.log_samples_every == 0:
             self._log_samples(trainer, batch)
         if self.save_completions:
             self._save_completions(trainer, batch)
+
+    @property
+    def progress_note(self) -> str | None:
+        """What the progress bar shows while the run has no signal (no parsed answer, no reward spread)."""
+        return self.format_check.note
+
+    def _check_format(self, ro: Rollout) -> None:
+        """Report the first rollout's parse rate per position; warn once when the run has no signal (format_check)."""
+        first = self.format_check.first_rollout(ro.candidate_mask)  # [N, m]
+        if first:
+            log.info(first)
+        warning = self.format_check.update(ro.metrics["chains/candidate_parse_rate"],
+                                           ro.metrics["frac_zero_std_groups"], ro.metrics["reward/all/mean"])
+        if warning:
+            action_needed(warning)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.engine.sync(pl_module)
@@ -184,7 +224,18 @@ class RolloutCallback(L.Callback):
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         self._ensure_engine(trainer, pl_module)
-        batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+
+        def interrupt(*_: int) -> None:  # preempted during validation: training's state is whole, stop here
+            if getattr(trainer, "received_sigterm", False):
+                raise RolloutInterrupted
+
+        self.engine.progress = interrupt
+        try:
+            batch["rollout"] = self.rollout(pl_module, batch, step=-1 - batch_idx, rank=trainer.global_rank)
+        except RolloutInterrupted:
+            raise SIGTERMException from None  # AdapterCheckpoint.on_exception writes last.ckpt
+        finally:
+            self.engine.progress = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.engine.teardown()

@@ -109,7 +109,8 @@ class RunFolder(Callback):
             self.path.parent.rmdir()
 
 
-API_INPUTS = frozenset({"api_config.yaml", "data"})  # what vpo_lightning.api.train writes before the run starts
+# what vpo_lightning.api.train writes before the run starts
+API_INPUTS = frozenset({"api_config.yaml", "api_rewards.py", "data"})
 
 
 def held_files(path: Path) -> list[str]:

@@ -317,9 +317,9 @@ def test_lightning_misconfiguration_is_a_clean_error(capsys):
 
 
 @pytest.mark.parametrize(("flag", "expected"), [
-    ("--trainer.precision=bf16-mixed", "trainer.precision=bf16-mixed: Lightning's precision plugins are not used "
-                                       "here (the policy is loaded in one dtype, which the rollout engine shares); "
-                                       "set --model.model.dtype bf16"),
+    ("--trainer.precision=bf16-mixed", "trainer.precision=bf16-mixed: mixed precision is not supported here (the "
+                                       "policy is loaded in one dtype, which the rollout engine shares, and its LoRA "
+                                       "weights train in fp32); set --model.model.dtype bf16"),
     ("--trainer.precision=16-mixed", "set --model.model.dtype fp16"),
     ("--trainer.gradient_clip_val=0.5", "set --model.optim.max_grad_norm 0.5"),
     ("--trainer.accumulate_grad_batches=4", "raise --data.batch_size (x4)"),

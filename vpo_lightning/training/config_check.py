@@ -404,11 +404,15 @@ def lightning_only_keys(cfg: Any) -> list[str]:
     optimisation: Lightning's clipping and accumulation never run) and is loaded in one dtype."""
     problems = []
     precision = get(cfg, "trainer.precision")
-    if precision is not None and str(precision) not in ("32", "32-true"):
+    if precision is not None and str(precision) not in ("32", "32-true", "64", "64-true", "bf16-true", "16-true"):
+        # mixed precision: Lightning's autocast does not reach the manual update and the rollout engine, which run
+        # the policy in the one dtype it was loaded in. The "-true" precisions work (FSDP needs bf16-true); the
+        # run warns at fit start that they cast the LoRA weights and RoPE (PolicyModule.on_fit_start).
         dtype = _PRECISION_DTYPES.get(str(precision).split("-")[0], "bf16")
-        problems.append(f"trainer.precision={precision}: Lightning's precision plugins are not used here (the policy "
-                        f"is loaded in one dtype, which the rollout engine shares); set --model.model.dtype {dtype} "
-                        "instead (auto: bf16 where the hardware computes it, else fp32)")
+        problems.append(f"trainer.precision={precision}: mixed precision is not supported here (the policy is loaded "
+                        "in one dtype, which the rollout engine shares, and its LoRA weights train in fp32); set "
+                        f"--model.model.dtype {dtype} instead and keep trainer.precision 32-true (auto: bf16 where "
+                        "the hardware computes it, else fp32)")
     clip = get(cfg, "trainer.gradient_clip_val")
     if clip is not None or get(cfg, "trainer.gradient_clip_algorithm") is not None:
         shown = f" {clip}" if clip is not None else ""

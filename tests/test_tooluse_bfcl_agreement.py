@@ -8,8 +8,9 @@ irrelevance category BFCL's rule is "no function call in the output" (``eval_run
 
 Stand-in: ``ast_checker`` imports ``bfcl_eval.constants.model_config`` (the model-handler table, which imports
 every provider SDK) only to look up ``MODEL_CONFIG_MAPPING[model].underscore_to_dot``. The test loads the checker
-with that one module replaced by a minimal stand-in holding one entry, ``"stand-in"``, whose ``underscore_to_dot``
-is False (function names are kept as given, dots included, as in our prompts). Nothing else is stood in.
+with that one module replaced by a minimal stand-in whose entries all have ``underscore_to_dot`` False (function
+names are kept as given, dots included, as in our prompts; ``bfcl_check.load_ast_checker``). Nothing else is
+stood in.
 
 Result: full agreement (0 disagreements) on all 1240 test records x 8 candidate kinds. The rewards reconcile the
 gold with the function documents the way BFCL does (see vpo_lightning.tasks.tooluse.calls); before that, 7 gold-derived
@@ -27,10 +28,7 @@ Deliberate differences (by the spec, VPO-SPEC section 8), none of which the pert
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-import sys
-import types
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -52,23 +50,11 @@ _OMIT = object()
 
 @pytest.fixture(scope="module")
 def checker() -> Callable[..., dict]:
-    """BFCL's ``ast_checker`` with the model-config table replaced by a one-flag stand-in (see module docstring)."""
-    stub = types.ModuleType("bfcl_eval.constants.model_config")
+    """BFCL's ``ast_checker`` with the model-config table replaced by a no-rewrite stand-in (module docstring):
+    the package's own loader, :func:`vpo_lightning.tasks.tooluse.bfcl_check.load_ast_checker`."""
+    from vpo_lightning.tasks.tooluse.bfcl_check import load_ast_checker
 
-    class _Config:
-        underscore_to_dot = False
-
-    stub.MODEL_CONFIG_MAPPING = {"stand-in": _Config()}
-    name, saved = stub.__name__, sys.modules.get(stub.__name__)
-    sys.modules[name] = stub
-    try:
-        module = importlib.import_module("bfcl_eval.eval_checker.ast_eval.ast_checker")
-    finally:
-        if saved is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = saved
-    return module.ast_checker
+    return load_ast_checker()
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ reading the calls out of the answer (``calls.parse_output``: every complete ``<t
 reads them), and the irrelevance categories, which BFCL scores by "no call decoded" (its ``irrelevance`` rule: the
 answer is correct when it makes no call). ``ast_checker`` imports ``bfcl_eval.constants.model_config``, whose model
 registry imports every API client BFCL supports (anthropic, openai, ...), none of which a checker needs; while it
-imports, that one module is replaced by a registry holding only ``MODEL`` (no name rewriting), and the real module
-is restored afterwards.
+imports, that one module is replaced by a registry that rewrites no model's function names, and the real module is
+restored afterwards (:func:`load_ast_checker`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,17 @@ from typing import Any
 
 from vpo_lightning.tasks.tooluse.calls import parse_output
 
-__all__ = ["MODEL", "bfcl_correct", "check_eval", "main"]
+__all__ = ["MODEL", "bfcl_correct", "check_eval", "load_ast_checker", "main"]
 
 MODEL = "vpo-lightning"  # the model name BFCL's checker is given (it only decides function-name rewriting)
+
+
+class _NoRewrite(dict):
+    """BFCL's model registry as the checker reads it: every model name keeps its function names (no dots to
+    underscores), the way our prompts write them."""
+
+    def __missing__(self, key: str) -> Any:
+        return types.SimpleNamespace(underscore_to_dot=False)
 
 
 @lru_cache(maxsize=1)
@@ -35,11 +43,11 @@ def _checker() -> tuple[Any, Any]:
     name = "bfcl_eval.constants.model_config"
     saved = sys.modules.get(name)
     registry = types.ModuleType(name)
-    registry.MODEL_CONFIG_MAPPING = {MODEL: types.SimpleNamespace(underscore_to_dot=False)}  # type: ignore[attr-defined]
+    registry.MODEL_CONFIG_MAPPING = _NoRewrite()  # type: ignore[attr-defined]
     sys.modules[name] = registry
     try:
         from bfcl_eval.constants.enums import Language
-        from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
+        from bfcl_eval.eval_checker.ast_eval import ast_checker as module
     except ImportError as err:
         raise ImportError(f"BFCL's checker needs the bfcl-eval package ({err}): pip install --no-deps bfcl-eval "
                           "(make setup installs it)") from err
@@ -48,7 +56,15 @@ def _checker() -> tuple[Any, Any]:
             sys.modules.pop(name, None)
         else:
             sys.modules[name] = saved
-    return ast_checker, Language
+    if not isinstance(module.MODEL_CONFIG_MAPPING, _NoRewrite):  # imported earlier with another registry
+        module.MODEL_CONFIG_MAPPING = _NoRewrite(module.MODEL_CONFIG_MAPPING)
+    return module.ast_checker, Language
+
+
+def load_ast_checker() -> Any:
+    """BFCL's ``ast_checker(func_description, model_output, possible_answer, language, test_category, model_name)``,
+    with a registry that keeps every model's function names as given."""
+    return _checker()[0]
 
 
 def bfcl_correct(answer: str | None, record: Mapping[str, Any]) -> bool:

@@ -25,8 +25,8 @@ def _run(args: list[str], env: dict[str, str], cwd: Path) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.mark.slow
-def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
+def _results_repo(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """An empty git repository that records results, and the environment the protocol script runs in."""
     results = tmp_path / "results_repo"
     results.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=results, check=True)
@@ -34,6 +34,12 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
                    cwd=results, check=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PY": sys.executable, "GIT_AUTHOR_NAME": "t",
            "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    return results, env
+
+
+@pytest.mark.slow
+def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
+    results, env = _results_repo(tmp_path)
     prefix = f"pytest-{os.getpid()}"
     adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
     try:
@@ -78,11 +84,7 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
 def test_protocol_runs_tool_use_with_bfcls_checker(tmp_path: Path) -> None:
     """TASK=tooluse (issue 51): the reference's Multi-RLVR on tool use trains, is evaluated, gets BFCL's checker
     (bfcl.json beside eval.json) and is committed; the report goes to docs/results_tooluse.md."""
-    results = tmp_path / "results_repo"
-    results.mkdir()
-    subprocess.run(["git", "init", "-q"], cwd=results, check=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PY": sys.executable, "GIT_AUTHOR_NAME": "t",
-           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    results, env = _results_repo(tmp_path)
     prefix = f"pytest-tool-{os.getpid()}"
     adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
     try:

@@ -225,3 +225,25 @@ def test_a_reward_returning_its_full_width_for_a_smaller_record_is_a_declaration
     register("fixture_wide", dims=["a", "b", "c"], real_dims=lambda s: 2)(lambda candidate, sample: [1.0] * 3)
     with pytest.raises(RewardDeclarationError, match=r"returned 3 values .* \(2 real for record 'r'\)"):
         RewardVector(["fixture_wide"]).score([["x"]], [{"id": "r"}])
+
+
+def test_same_module_name_in_two_config_folders_resolves_each(tmp_path, monkeypatch) -> None:
+    """Two runs of one notebook each write api_rewards.py beside their config: the second run's dotted names must
+    not resolve to the first file, which this process imported first (it failed in the full suite's order)."""
+    import sys
+
+    from vpo_lightning import rewards
+
+    monkeypatch.setattr(rewards, "_CONFIG_DIRS", [])
+    monkeypatch.delitem(sys.modules, "api_rewards_pair", raising=False)
+    for run, body in (("a", "def first(c, s):\n    return 0.25\n"), ("b", "def second(c, s):\n    return 0.75\n")):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "api_rewards_pair.py").write_text(body)
+    rewards.add_config_dir(tmp_path / "a")
+    assert rewards._import_dotted("api_rewards_pair.first")("x", {}) == 0.25
+    rewards.add_config_dir(tmp_path / "b")
+    assert rewards._import_dotted("api_rewards_pair.second")("x", {}) == 0.75
+    monkeypatch.delitem(sys.modules, "api_rewards_pair", raising=False)
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        if str(folder) in sys.path:
+            sys.path.remove(str(folder))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -164,6 +165,26 @@ def add_config_dir(folder: str | os.PathLike[str]) -> None:
         _CONFIG_DIRS.append(folder)
 
 
+def _from_config_file(module_name: str, attr: str) -> Any | None:
+    """``attr`` of the file ``<config folder>/<module_name>.py`` of the most recently read config that has one,
+    loaded from that file. For a module name another folder already took in this process: two runs of one notebook
+    each write ``api_rewards.py`` beside their own config, and the first one imported would hide the second's."""
+    rel = os.path.join(*module_name.split(".")) + ".py"
+    for folder in reversed(_CONFIG_DIRS):
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            continue
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if hasattr(module, attr):
+            sys.modules[module_name] = module  # what a later import (and pickling) of the name finds
+            return getattr(module, attr)
+    return None
+
+
 def _import_dotted(name: str) -> Any:
     """Import ``pkg.module.attr``; the working directory and the configs' folders are searched too (after the
     installed packages), so a ``my_rewards.py`` beside the config works without ``PYTHONPATH=.``."""
@@ -175,6 +196,9 @@ def _import_dotted(name: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
+        found = _from_config_file(module_name, attr)
+        if found is not None:
+            return found
         where = ", ".join([cwd, *[d for d in _CONFIG_DIRS if d != cwd]])
         raise ValueError(f"reward {name!r}: cannot import it as a dotted path ({err}); the module must be "
                          f"importable from the installed packages, the working directory or the config's folder "

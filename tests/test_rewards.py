@@ -230,10 +230,7 @@ def test_a_reward_returning_its_full_width_for_a_smaller_record_is_a_declaration
 def test_same_module_name_in_two_config_folders_resolves_each(tmp_path, monkeypatch) -> None:
     """Two runs of one notebook each write api_rewards.py beside their config: the second run's dotted names must
     not resolve to the first file, which this process imported first (it failed in the full suite's order)."""
-    import sys
-
-    from vpo_lightning import rewards
-
+    rewards = registry
     monkeypatch.setattr(rewards, "_CONFIG_DIRS", [])
     monkeypatch.delitem(sys.modules, "api_rewards_pair", raising=False)
     for run, body in (("a", "def first(c, s):\n    return 0.25\n"), ("b", "def second(c, s):\n    return 0.75\n")):

@@ -177,6 +177,13 @@ def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) 
     dim = len(next(iter(groups.values()))[0]["dim_names"])
     weights = sample_weights(1000, dim, 1.0, generator=torch.Generator().manual_seed(0))  # [K, D], one draw for all
 
+    one_chain: dict[int, dict[str, float]] = {}  # id(prompt) -> its chain metrics, for both columns and every pair
+
+    def chains_of(prompt: dict[str, Any]) -> dict[str, float]:
+        if id(prompt) not in one_chain:
+            one_chain[id(prompt)] = chain_metrics(prompt, weights)
+        return one_chain[id(prompt)]
+
     def matrix(reports: list[dict[str, Any]], key: str, ids: list[str]) -> Any:
         if key.startswith("best@"):
             return prompt_values(reports, "best_at_k", int(key[5:]))
@@ -188,7 +195,7 @@ def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) 
             if key == "exit_diversity":
                 rows.append([exit_diversity(by_id[i], list(rep["dim_names"])) for i in ids])
             else:
-                rows.append([chain_metrics(by_id[i], weights)[key] for i in ids])
+                rows.append([chains_of(by_id[i])[key] for i in ids])
         return torch.tensor(rows, dtype=torch.float64)  # [S, P]
 
     keys = [*[f"best@{k}" for k in ks], "pairwise_l1_diversity", *(["exit_diversity"] if maze else []),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 _CONTROLLERS = ("memory", "pids", "cpu")
 _PERIOD_US = 100_000
+_REAP_WAIT_S = 5.0  # how long start-up waits for a dead trainer's killed candidates to finish exiting
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def reap_stale(parents: tuple[str, ...]) -> list[str]:
-    """Remove the ``vpo-sandbox-<pid>`` folders under ``parents`` whose trainer is gone (killed before its exit
-    handler ran), killing whatever still runs in their run cgroups. Returns the folders removed."""
-    removed = []
+def _stale_bases(parents: tuple[str, ...]) -> list[str]:
+    """The ``vpo-sandbox-<pid>`` folders under ``parents`` whose trainer is gone."""
+    found = []
     for parent in parents:
         try:
             names = os.listdir(parent)
@@ -200,18 +200,41 @@ def reap_stale(parents: tuple[str, ...]) -> list[str]:
             continue
         for name in names:
             owner = name.removeprefix("vpo-sandbox-")
-            if not name.startswith("vpo-sandbox-") or not owner.isdigit() or _alive(int(owner)):
-                continue
-            base = os.path.join(parent, name)
-            try:
-                runs = [os.path.join(base, d) for d in os.listdir(base) if d.startswith("run-")]
-            except OSError:
-                continue
-            for run in runs:
-                _kill_all(run)
-            if all(_rmdir(run) for run in runs) and _rmdir(base):
+            if name.startswith("vpo-sandbox-") and owner.isdigit() and not _alive(int(owner)):
+                found.append(os.path.join(parent, name))
+    return found
+
+
+def _runs(base: str) -> list[str]:
+    try:
+        return [os.path.join(base, d) for d in os.listdir(base) if d.startswith("run-")]
+    except OSError:
+        return []
+
+
+def reap_stale(parents: tuple[str, ...], within: float = _REAP_WAIT_S) -> list[str]:
+    """Remove the ``vpo-sandbox-<pid>`` folders under ``parents`` whose trainer is gone (killed before its exit
+    handler ran), killing whatever still runs in their run cgroups. Returns the folders removed.
+
+    Every pass kills what is left in all of them (all hierarchies first), then tries each folder once; passes repeat
+    for up to ``within`` seconds. Measured on cgroup v1 under load: a memory folder whose tasks were just killed can
+    answer EBUSY (with an empty ``cgroup.procs``) for as long as one pass keeps retrying it, and is removed at once
+    by the next pass. What is still held at the end is retried at the next run's removal and at exit."""
+    removed: list[str] = []
+    end = time.monotonic() + within
+    for i in itertools.count():
+        stale = _stale_bases(parents)
+        for run in (run for base in stale for run in _runs(base)):
+            _kill_all(run)
+        for base in stale:
+            if all([_rmdir(run, tries=1) for run in _runs(base)]) and _rmdir(base, tries=1):
                 removed.append(base)
-    return removed
+        left = [base for base in stale if os.path.isdir(base)]
+        if not left or time.monotonic() >= end:
+            _STALE.extend(d for base in left for d in (*_runs(base), base) if d not in _STALE)
+            return removed
+        time.sleep(min(0.02 * (i + 1), 0.25))
+    return removed  # unreachable: itertools.count() does not end
 
 
 def _make_base(cgroups: Cgroups) -> tuple[Cgroups | None, str]:

@@ -36,7 +36,7 @@ def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 # What a normal run must not print: Lightning lines with nothing to act on (issue: a user's first hour).
 NOISE = ("Tip:", "litlogger", "TPU available", "GPU available: False", "was configured so",
-         "exists and is not empty", "LeafSpec", "Warning", "warn(")
+         "exists and is not empty", "LeafSpec", "Warning", "warn(", "Loading weights")
 
 
 def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):

@@ -108,6 +108,8 @@ def test_command_line_example_on_every_trl_data_form(tmp_path):
     # quiet: one line names the saved configuration; the overwrite warning is repeated after the run
     assert "configuration: checkpoints/trl-style-cli/config.yaml" in proc.stdout
     assert "seed_everything:" not in proc.stdout
+    # issue 53: the example sets no seed_everything; Lightning warned "No seed found", transformers drew its bar
+    assert "No seed found" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-3000:]
     tail = proc.stderr[proc.stderr.rindex("warnings that need action"):]
     assert "--overwrite: checkpoints/trl-style-cli is replaced by this run" in tail
 

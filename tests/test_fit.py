@@ -36,7 +36,7 @@ def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 # What a normal run must not print: Lightning lines with nothing to act on (issue: a user's first hour).
 NOISE = ("Tip:", "litlogger", "TPU available", "GPU available: False", "was configured so",
-         "exists and is not empty", "LeafSpec", "Warning", "warn(")
+         "exists and is not empty", "LeafSpec", "Warning", "warn(", "Loading weights")
 
 
 def test_debug_fit_logs_checkpoints_and_resumes(tmp_path, monkeypatch, capfd):
@@ -179,3 +179,41 @@ def test_a_config_without_a_seed_runs_seeded_0_without_a_warning(tmp_path, monke
     printed = "".join(capfd.readouterr()) + caplog.text + "".join(str(w.message) for w in recwarn)
     assert "No seed found" not in printed and "Seed set to 0" in printed
     assert yaml.safe_load((tmp_path / "checkpoints/debug/config.yaml").read_text())["seed_everything"] == 0
+
+
+def _documented_tags(conditions: set[str]) -> set[str]:
+    """The tags of TRAINING.md's "Logged metrics" table whose "logged when" is empty or in ``conditions``, with
+    ``{a,b}`` expanded and ``val/`` copies of the rows marked so; ``<reward>`` is left for the caller."""
+    import re
+
+    text = (REPO / "docs/TRAINING.md").read_text().split("## Logged metrics\n")[1].split("\n## ")[0]
+    tags: set[str] = set()
+    for row in (line for line in text.splitlines() if line.startswith("| `train/")):
+        names, val, when, _ = (c.strip() for c in re.split(r"(?<!\\)\|", row)[1:5])  # \| is a pipe in a cell
+        if when and when not in conditions:
+            continue
+        todo = re.findall(r"`([^`]+)`", names)
+        while todo:
+            name = todo.pop()
+            brace = re.search(r"\{([^}]*)\}", name)
+            if brace:
+                todo += [name[:brace.start()] + part + name[brace.end():] for part in brace[1].split(",")]
+            else:
+                tags |= {name, name.replace("train/", "val/", 1)} if val == "yes" else {name}
+    return tags
+
+
+def test_the_debug_run_logs_exactly_the_documented_tags(tmp_path, monkeypatch):
+    """Issue 53: ~70 TensorBoard scalars, some duplicates (epoch, hp_metric = -1, lr-AdamW beside train/lr). A run
+    logs the list in docs/TRAINING.md, no more and no fewer."""
+    run = _fit(tmp_path, monkeypatch, "--trainer.max_steps=1", "--trainer.val_check_interval=1")
+    conditions = {"`estimator: vpo`", "`num_candidates > 1`", "the engine reports log-probs"}
+    if torch.cuda.is_available():
+        conditions.add("on CUDA")
+    documented = set()
+    for tag in _documented_tags(conditions):
+        documented |= ({tag.replace("<reward>", r) for r in ("format", "tool_name", "arg_key", "arg_value")}
+                       if "<reward>" in tag else {tag})
+    logged = set(_scalars(run))
+    assert logged == documented, f"logged, not documented: {sorted(logged - documented)}; " \
+                                 f"documented, not logged: {sorted(documented - logged)}"

@@ -247,3 +247,13 @@ def test_fp16_on_a_cpu_is_told_once(caplog):
         models.load_base_model(models.ModelSettings(name="tiny-llama", dtype="fp32"))
     warned = [r.getMessage() for r in caplog.records if "fp16 on a CPU" in r.getMessage()]
     assert len(warned) == 1 and "use auto" in warned[0]
+
+
+def test_loading_prints_no_weights_bar_and_keeps_download_bars(capfd):
+    """Issue 53: transformers' "Loading weights" bar was printed by every command (fit, sft, eval, serve, export).
+    The hub's download bars (a first run of a hub id) still show."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    models.load_base_model(ModelSettings(name="tiny-llama", dtype="fp32"))
+    assert "Loading weights" not in "".join(capfd.readouterr())
+    assert not are_progress_bars_disabled()

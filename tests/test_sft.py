@@ -521,3 +521,9 @@ def test_vpo_sft_trains_on_trl_conversational_data(tiny_model_dir, tmp_path, mon
     run = tmp_path / "checkpoints" / "trl-sft"
     assert torch.load(run / "last.ckpt", weights_only=False)["global_step"] == 2
     assert (run / "adapters" / "last" / "adapter_config.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events] = run.glob("events.out.tfevents.*")
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert set(tags) == {"val/loss"} | {f"train/{k}" for k in (  # docs/TRAINING.md, Logged metrics; no epoch
+        "loss", "completion_tokens", "grad_norm", "tokens_per_s", "step_time_s", "skipped_steps", "peak_rss_gb", "lr")}

@@ -155,6 +155,17 @@ def _warn_fp16_on_cpu() -> None:
                 "tool-use config took 3x as long); use auto (bf16 where the CPU computes it natively, else fp32)")
 
 
+@functools.cache
+def _quiet_transformers_bars() -> None:
+    """Drop transformers' own tqdm bars ("Loading weights", "Writing model shards"): local copies of a few seconds,
+    printed by every command. Its public hook replaces only those; the hub's download bars are another tqdm and stay,
+    as do the run's own bars (transformers < 5 has no hook and printed none for unsharded checkpoints)."""
+    from transformers.utils import logging as hf_logging
+
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        hf_logging.set_tqdm_hook(lambda _factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
+
+
 def cache_dir() -> Path:
     """Where converted built-in models are cached (``$VPO_CACHE_DIR`` or ``~/.cache/vpo_lightning/models``)."""
     return Path(os.environ.get("VPO_CACHE_DIR", Path.home() / ".cache" / "vpo_lightning" / "models"))
@@ -332,6 +343,7 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
     from transformers import AutoModelForCausalLM
 
     _check_attention(settings.attn_implementation)
+    _quiet_transformers_bars()
     kwargs: dict[str, Any] = {
         "dtype": resolve_dtype(settings.dtype), "attn_implementation": settings.attn_implementation,
     }

@@ -51,8 +51,9 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "trainer.log_every_n_steps": 1,
     "trainer.num_sanity_val_steps": 0,
     "trainer.enable_model_summary": False,
-    # no hp_metric (a constant -1) and no LearningRateMonitor (its lr-AdamW repeats train/lr): tags that say nothing
-    "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+    # no epoch (a function of the step), hp_metric (a constant -1) or LearningRateMonitor (its lr-AdamW repeats
+    # train/lr): tags that say nothing; docs/TRAINING.md lists the rest
+    "trainer.logger": {"class_path": "vpo_lightning.training.tensorboard_logger.TensorBoardLogger",
                        "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": "", "default_hp_metric": False}},
     "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"}],
     "trainer.check_val_every_n_epoch": None,

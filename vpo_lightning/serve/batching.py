@@ -1,14 +1,15 @@
 """The batching worker of ``vpo serve``: one thread owns the model and turns queued requests into ``generate`` calls.
 
 HTTP handler threads validate and tokenize a request (:mod:`vpo_lightning.serve.openai_api`), then queue a :class:`Job`.
-The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job of a client that had no job in the
-last call (else the oldest pending job) and every other pending job with the same
-:class:`~vpo_lightning.serve.openai_api.SamplingKey` (temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter
-on/off) up to ``max_batch_size`` rows, and runs them as one ``generate`` call; stop strings are checked per row while
-generating. Jobs with other keys wait for the next call, and clients take turns: one client's stream of requests cannot
-keep another's waiting for more than one call. A job whose client hung up (``Job.dropped``) is skipped when pending
-and its rows stop at the next step when generating. A failed call answers its jobs with a 500
-and is counted in ``stats["errors"]``; the worker keeps serving.
+The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job of the client that has been served the
+least work (fair queuing: ``n x max_tokens`` served per client, counted from the current virtual time for a client that
+comes back or is new) and every other pending job with the same :class:`~vpo_lightning.serve.openai_api.SamplingKey`
+(temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to ``max_batch_size`` rows, and runs them
+as one ``generate`` call; stop strings are checked per row while generating. Jobs with other keys wait for the next
+call. So a new or light client's request goes first in the next call, however many heavy requests other clients keep
+queued: it waits for the call under way (static batching: a call is not interrupted). A job whose client hung up
+(``Job.dropped``) is skipped when pending and its rows stop at the next step when generating. A failed call answers
+its jobs with a 500 and is counted in ``stats["errors"]``; the worker keeps serving.
 
 Log-probabilities and streaming (:class:`StepRecorder`): when a job of the call asks for ``logprobs`` or streams,
 the call applies temperature, top-k and top-p itself (transformers' own warpers, in transformers' order) and a last
@@ -234,7 +235,8 @@ class BatchGenerator:
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         self.max_batch_size, self.batch_wait_s, self.max_regroup_s = max_batch_size, batch_wait_s, max_regroup_s
         self._recent_rows, self._last_generate_s = 1, 0.0
-        self._last_clients: set[str] = set()  # clients of the last generate call: others go first next time
+        self._served: dict[str, int] = {}  # client -> work served (n x max_tokens), from the virtual time on
+        self._vtime = 0  # the served work of the last call's first job: where a new or returning client starts
         self.eos = eos_token_ids(model, tokenizer)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to use from several threads at once
         # Prompts longer than SMALL_PROMPT_CHARS are tokenized by a second copy under its own lock (the fast
@@ -305,8 +307,8 @@ class BatchGenerator:
             self._pending = [j for j in self._pending if not j.future.cancelled()]
             if not self._pending:
                 return []
-            # the head: the oldest job of a client that was not in the last call, so that clients take turns
-            head = next((j for j in self._pending if j.client not in self._last_clients), self._pending[0])
+            # the head: the oldest job of the client served the least work (a new one starts at the virtual time)
+            head = min(self._pending, key=lambda j: max(self._served.get(j.client, 0), self._vtime))
             key, rows, batch, rest = head.key, head.n, [head], []
             for job in self._pending:
                 if job is head:
@@ -317,7 +319,11 @@ class BatchGenerator:
                 else:
                     rest.append(job)
             self._pending = rest
-            self._last_clients = {j.client for j in batch}
+            self._vtime = max(self._served.get(head.client, 0), self._vtime)
+            for job in batch:
+                self._served[job.client] = max(self._served.get(job.client, 0), self._vtime) + job.n * key.max_tokens
+            if len(self._served) > 10_000:  # clients at or below the virtual time lose nothing by being forgotten
+                self._served = {c: w for c, w in self._served.items() if w > self._vtime}
         return [j for j in batch if j.future.set_running_or_notify_cancel()]
 
     def _loop(self) -> None:

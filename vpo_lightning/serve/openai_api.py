@@ -75,9 +75,6 @@ class ServeSettings:
         ignore_seed: drop each request's ``seed``, so that seeded requests share ``generate`` calls with the
             others. Without it, a request is batched only with requests of the same seed; clients that send a new
             seed per request (OpenEvolve sends one per iteration) then get no batching at all.
-        max_client_requests: a client's (peer address's) share of ``max_concurrency`` (default: half, at least 1):
-            once the server is full, a client holding fewer is still admitted while another client holds more, up
-            to twice ``max_concurrency`` in flight, so one client cannot keep the others out.
         max_client_tokens: queued work of one client, ``n x max_tokens`` summed over its requests in flight,
             before its next ones get 429 (default: half of ``max_batch_size x max_tokens_limit``, and at least
             one request of ``max_n x max_tokens_limit``).
@@ -100,7 +97,6 @@ class ServeSettings:
     ignore_seed: bool = False
     max_connections: int | None = None
     idle_timeout_s: float = 30.0
-    max_client_requests: int | None = None
     max_client_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -113,14 +109,11 @@ class ServeSettings:
             self.max_connections = max(64, 4 * self.max_concurrency)
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.max_client_requests is None:
-            self.max_client_requests = max(1, self.max_concurrency // 2)
         if self.max_client_tokens is None:
             self.max_client_tokens = max(self.max_n * self.max_tokens_limit,
                                          self.max_batch_size * self.max_tokens_limit // 2)
-        if self.max_client_requests < 1 or self.max_client_tokens < 1:
-            raise ValueError(f"max_client_requests ({self.max_client_requests}) and max_client_tokens "
-                             f"({self.max_client_tokens}) must be >= 1")
+        if self.max_client_tokens < 1:
+            raise ValueError(f"max_client_tokens must be >= 1, got {self.max_client_tokens}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_limit)

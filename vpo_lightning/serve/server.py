@@ -214,6 +214,7 @@ class StreamedChoice:
 # ---- HTTP -------------------------------------------------------------------------------------------------------
 INLINE_BODY_BYTES = 65_536  # bodies up to this size are decoded on the event loop (well under a millisecond)
 PIPELINE_READ_AHEAD = 65_536  # pipelined bytes read while a request is answered, so that a hang-up is seen
+REFUSAL_DELAY_S = 0.5  # a 429 to a client that has requests in flight is sent after this long
 CLOSE_ABOVE = 16  # a refused body over this many times --max-request-bytes is not read: the connection closes
 GET_ROUTES = ("/v1/models", "/health", "/stats")
 POST_ROUTES = ("/v1/chat/completions",)
@@ -385,11 +386,13 @@ class OpenAIServer:
         self.default_model = next((m for m, adapter in models.items() if adapter), next(iter(models)))
         self.created = int(time.time())
         self._in_flight = 0
-        self._clients: dict[str, list[int]] = {}  # peer address -> [requests in flight, their n x max_tokens]
+        # peer address -> [requests in flight, their n x max_tokens, the limiter its requests are prepared under]
+        self._clients: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
         self.http_stats = {"http_4xx": 0, "http_5xx": 0, "connections_evicted": 0, "client_disconnects": 0}
-        # preparing a request (decoding a large body, rendering and tokenizing) runs on threads: a large body's on
-        # one thread at a time, so a flood of them holds the interpreter lock against the event loop no more
+        # Preparing a request runs on threads: decoding a large body on one thread at a time, so that a flood of
+        # them holds the interpreter lock against the event loop no more than one thread can; rendering and
+        # tokenizing on one thread per client, so that a client's flood waits for itself, never for other clients.
         self._light = anyio.CapacityLimiter(4)
         self._heavy = anyio.CapacityLimiter(1)
         host = address[0]
@@ -482,15 +485,24 @@ class OpenAIServer:
         return [c for c in self._uvicorn.server_state.connections if not c.transport.is_closing()]
 
     def connection_opened(self, new: _Connection) -> None:
-        """The connection cap: past it, the connection that has owed a request the longest (waiting for one or
-        still sending it) is closed to make room; when every other connection is being answered, the new one gets
-        429 and is closed."""
+        """The connection cap: past it, a connection of the client (peer address) holding the most connections,
+        the new one included, is closed to make room: the one that has owed a request the longest (waiting for one
+        or still sending it), else, for another client, one being answered (its request is dropped). When the new
+        connection's own client holds the most and all its other connections are being answered, the new one gets
+        429 and is closed. So no client, however many connections it opens, can lock out one with fewer."""
         live = self._live_connections()
         if len(live) <= self.settings.max_connections:
             return
-        idle = [c for c in live if c is not new and not c.answering()]
-        if idle:
-            min(idle, key=lambda c: c.owes_since).transport.close()
+        mine = new.client[0] if new.client else ""
+        held: dict[str, list[_Connection]] = {mine: []}
+        for c in live:
+            if c is not new:
+                held.setdefault(c.client[0] if c.client else "", []).append(c)
+        top = max(held, key=lambda h: (len(held[h]) + (h == mine), h != mine))
+        idle = [c for c in held[top] if not c.answering()]
+        victims = idle or (held[top] if top != mine else [])
+        if victims:
+            min(victims, key=lambda c: c.owes_since).transport.close()
             with self._lock:
                 self.http_stats["connections_evicted"] += 1
             return
@@ -519,26 +531,37 @@ class OpenAIServer:
         err.headers = {"Retry-After": str(self.retry_after())}
         return err
 
-    def admit(self, client: str = "", work: int = 0) -> None:
+    def admit(self, client: str = "", work: int = 0) -> anyio.CapacityLimiter:
         """Take a slot for a request of ``client`` with ``work`` = n x max_tokens, before its prompt is tokenized;
         429 (with ``Retry-After``) when the server is full or this client's queued work would pass its budget.
+        Returns the limiter the client's requests are prepared under (one at a time per client).
 
-        Full means ``max_concurrency`` requests in flight, except for a client holding fewer than its share
-        (``max_client_requests``) while another holds more: it is admitted up to twice ``max_concurrency``, so a
-        client that took every slot while alone cannot keep the next one out.
+        Full means ``max_concurrency`` requests in flight, except for a client that would still hold fewer than
+        another client: it is admitted up to twice ``max_concurrency`` (max-min fairness), so clients that took
+        every slot cannot keep the next one out.
         """
-        s = self.settings
         with self._lock:
-            requests, queued = self._clients.get(client, (0, 0))
-            if self._in_flight >= s.max_concurrency:
-                below_share = requests < s.max_client_requests and self._in_flight < 2 * s.max_concurrency
-                if not (below_share and any(held[0] > s.max_client_requests for held in self._clients.values())):
-                    raise self._busy_error(f"the server is busy ({self._in_flight} requests in flight)")
-            if queued + work > s.max_client_tokens:
-                raise self._busy_error(f"this client's requests in flight ask for {queued} tokens (n x max_tokens) "
-                                       f"and this one for {work}: at most {s.max_client_tokens} per client")
+            refused = self._room(client, work)
+            if refused is not None:
+                raise refused
+            held = self._clients.setdefault(client, [0, 0, anyio.CapacityLimiter(1)])
+            held[0] += 1
+            held[1] += work
             self._in_flight += 1
-            self._clients[client] = [requests + 1, queued + work]
+            return held[2]
+
+    def _room(self, client: str, work: int) -> APIError | None:
+        """None when a request of ``client`` with ``work`` may be admitted now, else its 429 (under the lock)."""
+        s = self.settings
+        requests, queued = self._clients.get(client, (0, 0))[:2]
+        if self._in_flight >= s.max_concurrency:
+            most = max((held[0] for held in self._clients.values()), default=0)
+            if not (requests + 1 < most and self._in_flight < 2 * s.max_concurrency):
+                return self._busy_error(f"the server is busy ({self._in_flight} requests in flight)")
+        if queued + work > s.max_client_tokens:
+            return self._busy_error(f"this client's requests in flight ask for {queued} tokens (n x max_tokens) "
+                                    f"and this one for {work}: at most {s.max_client_tokens} per client")
+        return None
 
     def release(self, client: str = "", work: int = 0) -> None:
         with self._lock:
@@ -856,17 +879,22 @@ class OpenAIServer:
             raise self._refuse_body(request, APIError(
                 413, f"request body of {size} bytes exceeds the limit of {self.settings.max_request_bytes} bytes",
                 code="request_too_large"))
+        client = request.client.host if request.client else ""
+        with self._lock:  # no room for this client even for no work: refused before its body is read and decoded
+            refused, holding = self._room(client, 0), client in self._clients
+        if refused is not None:
+            if holding:  # a client refused while its own requests are in flight waits for its 429: a pipelining
+                await asyncio.sleep(REFUSAL_DELAY_S)  # flood then costs the event loop a few requests a second
+            raise refused
         raw = await request.body()
         if size <= INLINE_BODY_BYTES:
             chat = self.parse(raw)
         else:
             chat = await anyio.to_thread.run_sync(self.parse, raw, limiter=self._heavy)
-        client = request.client.host if request.client else ""
         slot = _Admission(self, client, chat.n * chat.key.max_tokens)
-        self.admit(slot.client, slot.work)
+        limiter = self.admit(slot.client, slot.work)
         try:
-            job = await anyio.to_thread.run_sync(self.job_for, chat, client,
-                                                 limiter=self._light if size <= INLINE_BODY_BYTES else self._heavy)
+            job = await anyio.to_thread.run_sync(self.job_for, chat, client, limiter=limiter)
             if chat.stream:
                 response = await self._stream_response(request, job, chat, slot)
                 slot = None  # the response releases it when it ends
@@ -994,9 +1022,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=30.0,
                    help="seconds a connection may owe a request (between requests, or sending one however slowly) "
                         "before it is closed")
-    p.add_argument("--max-client-requests", type=int,
-                   help="one client address's share of --max-concurrency: once the server is full, a client below "
-                        "it is still admitted while another is above it (up to 2 x --max-concurrency; default: half)")
     p.add_argument("--max-client-tokens", type=int,
                    help="queued work of one client address, n x max_tokens summed over its requests in flight, "
                         "before 429 (default: max(max_n x max_tokens_limit, max_batch_size x max_tokens_limit / 2))")
@@ -1033,7 +1058,7 @@ def main(argv: list[str]) -> int:
             default_max_tokens=default_tokens, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, api_key=args.api_key, ignore_seed=args.ignore_seed,
             max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-            max_client_requests=args.max_client_requests, max_client_tokens=args.max_client_tokens,
+            max_client_tokens=args.max_client_tokens,
         )
         trained = bool(args.adapter or args.ckpt)
         adapter_name = args.adapter_name if trained and hasattr(model, "disable_adapter") else None

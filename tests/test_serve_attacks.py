@@ -200,6 +200,36 @@ def test_pipelined_requests_of_a_client_that_hangs_up_are_dropped(tiny):
         srv.close()
 
 
+def test_a_stream_whose_client_hangs_up_before_its_first_chunk_is_no_error(tiny, caplog):
+    """A streamed request whose client hangs up while it waits in the queue: a disconnect, its slot freed, no 5xx
+    and no traceback (its generator is closed only once it has stopped)."""
+    srv = _server(tiny)
+    calls: list = []
+    _slow_generator(srv, 1.0, calls)
+    port = srv.server_address[1]
+    try:
+        blocker = threading.Thread(target=_post, args=(port,))
+        blocker.start()  # the worker is busy for a second
+        time.sleep(0.2)
+        body = json.dumps({"messages": MSG, "max_tokens": 2, "stream": True}).encode()
+        with caplog.at_level("DEBUG", logger="vpo_lightning.serve.server"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.3)
+            sock.close()
+            blocker.join()
+            deadline = time.monotonic() + 5
+            while (_stats(port)["in_flight"] or not _stats(port)["client_disconnects"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        stats = _stats(port)
+        assert stats["in_flight"] == 0 and stats["client_disconnects"] == 1 and stats["http_5xx"] == 0, stats
+        assert len(calls) == 1, calls  # the hung-up stream was dropped before generating
+        assert not any(r.levelname in ("ERROR", "CRITICAL") for r in caplog.records), caplog.text
+    finally:
+        srv.close()
+
+
 def test_a_slowloris_connection_is_closed_at_the_idle_deadline(tiny):
     """A client trickling its headers a byte at a time is never silent, but owes a request: it is closed once it
     has owed one for --idle-timeout seconds."""

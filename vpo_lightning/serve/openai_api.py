@@ -63,7 +63,8 @@ class ServeSettings:
 
     Args:
         max_concurrency: chat-completion requests in flight (being tokenized, queued or generating) before new ones
-            get 429 with ``Retry-After``; a request is admitted before its prompt is tokenized.
+            get 429 with ``Retry-After``; a request is admitted before its prompt is tokenized. Past it, a client
+            that would still hold fewer requests than another client is admitted, up to twice this many.
         max_tokens_limit: largest ``max_tokens`` a request may ask for.
         max_request_bytes: largest request body accepted.
         max_n: largest ``n`` (choices per request).

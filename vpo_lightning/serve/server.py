@@ -22,34 +22,60 @@ the adapter is served under ``--adapter-name`` (default ``vpo``) and the base na
 adapter disabled, like ``vllm serve BASE --enable-lora --lora-modules vpo=DIR``. A request without ``model`` gets
 the adapter when there is one.
 
-Batching (:mod:`vpo_lightning.serve.batching`): HTTP handler threads validate and tokenize a request, then queue
-it. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest pending request
-and every other pending request with the same sampling parameters (temperature, top-p, top-k, max_tokens,
-ignore_eos, seed, adapter on/off) up to ``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop
-strings are checked per sequence while generating. Requests with other parameters wait for the next call.
+Batching (:mod:`vpo_lightning.serve.batching`): a request is validated, admitted, then rendered and tokenized on a
+thread and queued. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest
+request of the client (peer address) served the least work so far and every other pending request with the same
+sampling parameters (temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to
+``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop strings are checked per sequence while
+generating. Requests with other parameters wait for the next call.
 
-Limits: request bodies over ``--max-request-bytes`` get 413, more than ``--max-concurrency`` requests in flight get
-429 (OpenAI clients retry those), ``n`` above ``--max-n`` and ``max_tokens`` above ``--max-tokens-limit`` or past
-the model's context get 400, and so does every malformed body (wrong types, nesting deeper than 64, integers of more
-than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.openai_api`; the body is
-checked in linear time). Messages longer than the context could hold (context x the longest token's characters) get
-400 before any tokenization; prompts over 16k characters are tokenized by a second tokenizer copy, so long prompts
-wait for each other, never short ones. Errors use OpenAI's shape: ``{"error": {"message", "type", "param",
-"code"}}``; ``GET /stats`` counts 4xx and 5xx answers apart, and clients that hang up before their answer is sent
-as ``client_disconnects`` (not errors). At most ``--max-connections`` connections are open; when all are taken, the
-one idle the longest (waiting for its next request or still sending one) is closed to make room, so idle or slow
-clients cannot lock others out; a connection silent for ``--idle-timeout`` seconds is closed. The server binds
-127.0.0.1 by default and has no authentication unless ``--api-key`` is given.
+HTTP: uvicorn's HTTP/1.1 connections (h11, asyncio) with Starlette's request and response classes, the stack of
+vLLM's OpenAI server and TRL's ``vllm-serve``; one dispatcher takes every method and path, so that what no route
+takes is a 405 or 404 in OpenAI's shape. What the server guarantees (``docs/SERVING.md``), and where:
 
-Why the standard library's HTTP server and not FastAPI/uvicorn or LitServe (decided when splitting serve.py): the
-part that needs care, batching keyed by sampling parameters with n choices, seeds, adapter on/off and stop strings,
-is ours whichever server fronts it; LitServe's batcher groups requests by arrival only, one output per input, so it
-would be an HTTP shell around this same worker. What uvicorn would add is asynchronous connections with header and
-keep-alive timeouts; the threads here get the same protection from the connection cap with idle eviction and the
-idle timeout (tested with more idle connections than the cap). None of these packages is installed or in the lock
-file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand.
-Streaming (issue 53) needed no more than a chunked HTTP/1.1 body of server-sent events written by the handler thread
-(:meth:`Handler._stream`), fed by the worker through a queue per request.
+- Parsing is h11's: request line, headers and ``Content-Length`` strictly (digits only, one value: ``1_0``, ``+2``
+  and two different values are 400), a request head still incomplete past 16 KiB 431 (one that arrives whole in a
+  single read is parsed), a request line of an HTTP version other than 1.0/1.1 505 with a status line; each in
+  OpenAI's error shape (:meth:`_Connection.send_400_response` for what h11 refuses) and counted as a 4xx. A POST
+  without ``Content-Length`` (or chunked) is 411, a body over ``--max-request-bytes`` 413 (not read: uvicorn drops
+  it after the answer; over 16 times the limit the connection closes), a method no route takes 405 with ``Allow``.
+  Apart from that 505 (the status HTTP names for it, counted as the client's error), no client input is answered
+  with a 5xx: 500 is left for a failed ``generate``, 503 for shutting down, 504 for ``--request-timeout``.
+- Admission comes before tokenization (:meth:`OpenAIServer.admit`): past ``--max-concurrency`` requests in flight,
+  or past a client's budget of queued work (``--max-client-tokens``, ``n x max_tokens`` summed over its requests in
+  flight), 429 with ``Retry-After``; a client that would still hold fewer requests than another is admitted up to
+  twice ``--max-concurrency`` (max-min fairness), so clients that fill every slot cannot keep a new one out. A
+  client with no room is refused before its body is decoded, and, when it already has requests in flight, after
+  0.5 s, so that a pipelined flood of refused requests costs a few answers a second.
+- Preparation runs off the event loop: bodies over 64 KiB are decoded on one shared thread, every request is
+  rendered and tokenized on its client's own thread (one at a time per client). The chat template renders without
+  a lock; the prompt route is decided on the rendered prompt's length (up to 16k characters: the shared tokenizer,
+  else a second copy), so thousands of empty messages (0 content characters, a long prompt) never hold the shared
+  one; a rendered prompt longer than the context could hold is refused before tokenizing.
+- A client that hangs up is seen while its request waits or generates (pipelined bytes are read ahead, 64 KiB at
+  most, so a hang-up is not hidden behind them): its job is dropped when pending and its rows stop at the next step
+  when generating; it counts as ``client_disconnects``, not as an error.
+- Connections: at most ``--max-connections``; past it a connection of the client holding the most (the new one
+  included) is closed, the one that has owed a request the longest first, else one being answered (another
+  client's only); a connection that owes a request for ``--idle-timeout`` seconds, between requests or sending one
+  however slowly, is closed.
+- Fair generation: the batcher serves the client with the least work served first (new clients start at the
+  current virtual time), so a light request goes into the next ``generate`` call; it still waits for the call under
+  way (static batching: a call is not interrupted; a call of 64 rows x 256 tokens takes seconds on a CPU).
+
+Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``GET /stats`` counts 4xx and 5xx
+answers apart, clients that hang up as ``client_disconnects``, ``connections_open`` and ``connections_evicted``.
+The server binds 127.0.0.1 by default and has no authentication unless ``--api-key`` is given; clients are told
+apart by their address, so behind a reverse proxy all of them share one budget.
+
+Why uvicorn and Starlette now (issue 54), after the standard library's ``ThreadingHTTPServer`` with hand-written
+connection handling: attacks kept finding what a maintained HTTP stack already does (pipelined keep-alive
+connections that were never idle and so never evicted, a 505 without a status line, ``Content-Length: 1_0``
+accepted, unknown methods as 501), and a thread per connection made every waiting connection cost a thread. The
+batching (sampling keys, n choices, seeds, adapter on/off, stop strings) stays ours whichever server fronts it;
+LitServe's batcher groups requests by arrival only, one output per input. FastAPI would add request models and
+OpenAPI on top of Starlette, which the hand-written OpenAI validation (:mod:`vpo_lightning.serve.openai_api`) does
+not need. Both packages are locked dependencies (``requirements/``), not an extra.
 """
 
 from __future__ import annotations
@@ -482,7 +508,8 @@ class OpenAIServer:
 
     # ---- connections --------------------------------------------------------------------------------------------
     def _live_connections(self) -> list[_Connection]:
-        return [c for c in self._uvicorn.server_state.connections if not c.transport.is_closing()]
+        connections = list(self._uvicorn.server_state.connections)  # a copy: stats() may run on another thread
+        return [c for c in connections if not c.transport.is_closing()]
 
     def connection_opened(self, new: _Connection) -> None:
         """The connection cap: past it, a connection of the client (peer address) holding the most connections,
@@ -648,6 +675,7 @@ class OpenAIServer:
             return task.result()
         task.cancel()
         job.dropped = True
+        await asyncio.wait({task})  # let it end (a stream's generator must not be running when it is closed)
         if gone in done:
             raise _ClientGone
         raise self._timeout()

@@ -62,14 +62,17 @@ def _stats(port: int) -> dict:
 def _exchange(port: int, raw: bytes, timeout: float = 10) -> bytes:
     """Send raw bytes, return everything the server answers until it closes (or ``timeout``)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    out = b""
     try:
-        sock.sendall(raw)
-        sock.shutdown(socket.SHUT_WR)
-        out = b""
+        try:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server answered and closed before all was sent: read its answer
+            pass
         while chunk := sock.recv(65536):
             out += chunk
         return out
-    except (ConnectionResetError, TimeoutError):
+    except OSError:
         return out
     finally:
         sock.close()
@@ -95,7 +98,8 @@ PROTOCOL = [
      b"HTTP/1.1 411"),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9999999999\r\n\r\n{}", b"HTTP/1.1 413"),
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", b"HTTP/1.1 400"),
-    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n", b"HTTP/1.1 431"),
+    # a head still incomplete past 16 KiB (all of it read by the server: it then closes without a reset)
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000, b"HTTP/1.1 431"),
     (b"\x00\x01\x02 garbage\r\n\r\n", b"HTTP/1.1 400"),
     (b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n", b"HTTP/1.1 400"),
 ]

@@ -4,9 +4,9 @@
   validation; every malformed request, and every field not implemented, is a 4xx, without HTTP or a model.
 - :mod:`~vpo_lightning.serve.batching`: the worker thread that owns the model and batches queued requests with equal
   sampling parameters into one ``generate`` call; it records log-probs and streams tokens (:class:`StepRecorder`).
-- :mod:`~vpo_lightning.serve.server`: the HTTP front end (standard library ``ThreadingHTTPServer``: routes, the
-  connection cap with idle eviction, ``/stats``), building a server from a config, and the ``vpo serve`` command.
-  Its docstring gives the usage and why it is the standard library's server rather than FastAPI/uvicorn or LitServe.
+- :mod:`~vpo_lightning.serve.server`: the HTTP front end (Starlette routes on uvicorn's h11 connections: admission
+  before tokenization, shares per client, the connection cap with idle eviction, ``/stats``), building a server from
+  a config, and the ``vpo serve`` command. Its docstring gives the usage and what the HTTP stack guarantees.
 """
 
 from vpo_lightning.serve.batching import BatchGenerator, Choice, Job, StepRecorder, StopOnStrings, token_bytes
@@ -22,10 +22,10 @@ from vpo_lightning.serve.openai_api import (
     parse_stop,
     parse_tools,
 )
-from vpo_lightning.serve.server import Handler, OpenAIServer, build_parser, build_server, load_for_serving, main
+from vpo_lightning.serve.server import OpenAIServer, build_parser, build_server, load_for_serving, main
 
 __all__ = [
-    "APIError", "BatchGenerator", "ChatRequest", "Choice", "Handler", "Job", "OpenAIServer", "SamplingKey",
+    "APIError", "BatchGenerator", "ChatRequest", "Choice", "Job", "OpenAIServer", "SamplingKey",
     "ServeSettings", "StepRecorder", "StopOnStrings", "build_parser", "build_server", "check_fields", "decode_json",
     "load_for_serving", "main", "parse_chat_request", "parse_messages", "parse_stop", "parse_tools", "token_bytes",
 ]

@@ -1,11 +1,15 @@
 """The batching worker of ``vpo serve``: one thread owns the model and turns queued requests into ``generate`` calls.
 
 HTTP handler threads validate and tokenize a request (:mod:`vpo_lightning.serve.openai_api`), then queue a :class:`Job`.
-The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job and every other pending job with
-the same :class:`~vpo_lightning.serve.openai_api.SamplingKey` (temperature, top-p, top-k, max_tokens, ignore_eos,
-seed, adapter on/off) up to ``max_batch_size`` rows, and runs them as one ``generate`` call; stop strings are checked
-per row while generating. Jobs with other keys wait for the next call. A failed call answers its jobs with a 500
-and is counted in ``stats["errors"]``; the worker keeps serving.
+The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job of the client that has been served the
+least work (fair queuing: ``n x max_tokens`` served per client, counted from the current virtual time for a client that
+comes back or is new) and every other pending job with the same :class:`~vpo_lightning.serve.openai_api.SamplingKey`
+(temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to ``max_batch_size`` rows, and runs them
+as one ``generate`` call; stop strings are checked per row while generating. Jobs with other keys wait for the next
+call. So a new or light client's request goes first in the next call, however many heavy requests other clients keep
+queued: it waits for the call under way (static batching: a call is not interrupted). A job whose client hung up
+(``Job.dropped``) is skipped when pending and its rows stop at the next step when generating. A failed call answers
+its jobs with a 500 and is counted in ``stats["errors"]``; the worker keeps serving.
 
 Log-probabilities and streaming (:class:`StepRecorder`): when a job of the call asks for ``logprobs`` or streams,
 the call applies temperature, top-k and top-p itself (transformers' own warpers, in transformers' order) and a last
@@ -53,7 +57,9 @@ class Job:
     stops: tuple[str, ...] = ()
     future: Future = field(default_factory=Future)
     logprobs: int | None = None
-    events: queue.Queue | None = None
+    events: Any = None  # anything with put(): a queue.Queue, or the server's hand-over to its event loop
+    client: str = ""  # who sent it (the peer address): clients take turns at the head of the queue
+    dropped: bool = False  # the client hung up: skip it when pending, stop its rows when generating
 
 
 @dataclass
@@ -170,6 +176,16 @@ class _Processor:
 
 
 
+class DropAbandoned:
+    """A ``StoppingCriteria``: the rows of jobs whose client hung up are done (when all are, generation ends)."""
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self.jobs = [job for job in jobs for _ in range(job.n)]
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor([job.dropped for job in self.jobs], dtype=torch.bool, device=input_ids.device)
+
+
 class StopOnStrings:
     """A ``StoppingCriteria``: a row is done once its decoded completion contains one of its stop strings.
 
@@ -219,6 +235,8 @@ class BatchGenerator:
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         self.max_batch_size, self.batch_wait_s, self.max_regroup_s = max_batch_size, batch_wait_s, max_regroup_s
         self._recent_rows, self._last_generate_s = 1, 0.0
+        self._served: dict[str, int] = {}  # client -> work served (n x max_tokens), from the virtual time on
+        self._vtime = 0  # the served work of the last call's first job: where a new or returning client starts
         self.eos = eos_token_ids(model, tokenizer)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to use from several threads at once
         # Prompts longer than SMALL_PROMPT_CHARS are tokenized by a second copy under its own lock (the fast
@@ -257,7 +275,7 @@ class BatchGenerator:
         return job.future
 
     def _pending_rows(self) -> int:
-        return sum(j.n for j in self._pending if not j.future.cancelled())
+        return sum(j.n for j in self._pending if not (j.dropped or j.future.cancelled()))
 
     def _take(self) -> list[Job]:
         """Wait for work; return the oldest job and the pending jobs sharing its key (FIFO, up to the row cap).
@@ -283,17 +301,29 @@ class BatchGenerator:
                     break
                 self._cond.wait(left)
         with self._cond:
+            for job in self._pending:
+                if job.dropped:
+                    job.future.cancel()
             self._pending = [j for j in self._pending if not j.future.cancelled()]
             if not self._pending:
                 return []
-            key, rows, batch, rest = self._pending[0].key, 0, [], []
+            # the head: the oldest job of the client served the least work (a new one starts at the virtual time)
+            head = min(self._pending, key=lambda j: max(self._served.get(j.client, 0), self._vtime))
+            key, rows, batch, rest = head.key, head.n, [head], []
             for job in self._pending:
+                if job is head:
+                    continue
                 if job.key == key and rows + job.n <= self.max_batch_size:
                     batch.append(job)
                     rows += job.n
                 else:
                     rest.append(job)
             self._pending = rest
+            self._vtime = max(self._served.get(head.client, 0), self._vtime)
+            for job in batch:
+                self._served[job.client] = max(self._served.get(job.client, 0), self._vtime) + job.n * key.max_tokens
+            if len(self._served) > 10_000:  # clients at or below the virtual time lose nothing by being forgotten
+                self._served = {c: w for c, w in self._served.items() if w > self._vtime}
         return [j for j in batch if j.future.set_running_or_notify_cancel()]
 
     def _loop(self) -> None:
@@ -367,7 +397,7 @@ class BatchGenerator:
         if key.ignore_eos:
             kwargs["min_new_tokens"] = key.max_tokens
         criteria = None
-        stopping: list[Any] = [] if recorder is None else [recorder]
+        stopping: list[Any] = [DropAbandoned(jobs)] + ([] if recorder is None else [recorder])
         if any(stops):
             criteria = StopOnStrings(self.tokenizer, ids.shape[1], stops, self.tokenizer_lock)
             stopping.append(criteria)

@@ -45,6 +45,7 @@ class APIError(Exception):
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers: dict[str, str] = {}  # extra response headers (Retry-After, Allow, Connection)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -61,7 +62,9 @@ class ServeSettings:
     """Server limits.
 
     Args:
-        max_concurrency: chat-completion requests in flight (queued or generating) before new ones get 429.
+        max_concurrency: chat-completion requests in flight (being tokenized, queued or generating) before new ones
+            get 429 with ``Retry-After``; a request is admitted before its prompt is tokenized. Past it, a client
+            that would still hold fewer requests than another client is admitted, up to twice this many.
         max_tokens_limit: largest ``max_tokens`` a request may ask for.
         max_request_bytes: largest request body accepted.
         max_n: largest ``n`` (choices per request).
@@ -73,10 +76,14 @@ class ServeSettings:
         ignore_seed: drop each request's ``seed``, so that seeded requests share ``generate`` calls with the
             others. Without it, a request is batched only with requests of the same seed; clients that send a new
             seed per request (OpenEvolve sends one per iteration) then get no batching at all.
+        max_client_tokens: queued work of one client, ``n x max_tokens`` summed over its requests in flight,
+            before its next ones get 429 (default: half of ``max_batch_size x max_tokens_limit``, and at least
+            one request of ``max_n x max_tokens_limit``).
         max_connections: open connections at once (default ``max(64, 4 * max_concurrency)``). When all are taken,
             the connection idle the longest (waiting for a request, or still sending one) is closed to make room;
-            only when every connection has a request being answered does a new one get 503.
-        idle_timeout_s: a connection silent for this long (between requests, or mid-request) is closed.
+            only when every connection has a request being answered does a new one get 429.
+        idle_timeout_s: a connection that owes the server a request for this long is closed: between requests, or
+            still sending one (headers or body, however slowly it trickles in).
     """
 
     max_concurrency: int = 8
@@ -91,6 +98,7 @@ class ServeSettings:
     ignore_seed: bool = False
     max_connections: int | None = None
     idle_timeout_s: float = 30.0
+    max_client_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_tokens_limit", "max_request_bytes", "max_n", "default_max_tokens"):
@@ -102,6 +110,11 @@ class ServeSettings:
             self.max_connections = max(64, 4 * self.max_concurrency)
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_client_tokens is None:
+            self.max_client_tokens = max(self.max_n * self.max_tokens_limit,
+                                         self.max_batch_size * self.max_tokens_limit // 2)
+        if self.max_client_tokens < 1:
+            raise ValueError(f"max_client_tokens must be >= 1, got {self.max_client_tokens}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_limit)

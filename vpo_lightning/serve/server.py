@@ -22,57 +22,88 @@ the adapter is served under ``--adapter-name`` (default ``vpo``) and the base na
 adapter disabled, like ``vllm serve BASE --enable-lora --lora-modules vpo=DIR``. A request without ``model`` gets
 the adapter when there is one.
 
-Batching (:mod:`vpo_lightning.serve.batching`): HTTP handler threads validate and tokenize a request, then queue
-it. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest pending request
-and every other pending request with the same sampling parameters (temperature, top-p, top-k, max_tokens,
-ignore_eos, seed, adapter on/off) up to ``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop
-strings are checked per sequence while generating. Requests with other parameters wait for the next call.
+Batching (:mod:`vpo_lightning.serve.batching`): a request is validated, admitted, then rendered and tokenized on a
+thread and queued. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest
+request of the client (peer address) served the least work so far and every other pending request with the same
+sampling parameters (temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to
+``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop strings are checked per sequence while
+generating. Requests with other parameters wait for the next call.
 
-Limits: request bodies over ``--max-request-bytes`` get 413, more than ``--max-concurrency`` requests in flight get
-429 (OpenAI clients retry those), ``n`` above ``--max-n`` and ``max_tokens`` above ``--max-tokens-limit`` or past
-the model's context get 400, and so does every malformed body (wrong types, nesting deeper than 64, integers of more
-than 32 digits, NaN/Infinity anywhere, a seed outside torch's range: :mod:`vpo_lightning.serve.openai_api`; the body is
-checked in linear time). Messages longer than the context could hold (context x the longest token's characters) get
-400 before any tokenization; prompts over 16k characters are tokenized by a second tokenizer copy, so long prompts
-wait for each other, never short ones. Errors use OpenAI's shape: ``{"error": {"message", "type", "param",
-"code"}}``; ``GET /stats`` counts 4xx and 5xx answers apart, and clients that hang up before their answer is sent
-as ``client_disconnects`` (not errors). At most ``--max-connections`` connections are open; when all are taken, the
-one idle the longest (waiting for its next request or still sending one) is closed to make room, so idle or slow
-clients cannot lock others out; a connection silent for ``--idle-timeout`` seconds is closed. The server binds
-127.0.0.1 by default and has no authentication unless ``--api-key`` is given.
+HTTP: uvicorn's HTTP/1.1 connections (h11, asyncio) with Starlette's request and response classes, the stack of
+vLLM's OpenAI server and TRL's ``vllm-serve``; one dispatcher takes every method and path, so that what no route
+takes is a 405 or 404 in OpenAI's shape. What the server guarantees (``docs/SERVING.md``), and where:
 
-Why the standard library's HTTP server and not FastAPI/uvicorn or LitServe (decided when splitting serve.py): the
-part that needs care, batching keyed by sampling parameters with n choices, seeds, adapter on/off and stop strings,
-is ours whichever server fronts it; LitServe's batcher groups requests by arrival only, one output per input, so it
-would be an HTTP shell around this same worker. What uvicorn would add is asynchronous connections with header and
-keep-alive timeouts; the threads here get the same protection from the connection cap with idle eviction and the
-idle timeout (tested with more idle connections than the cap). None of these packages is installed or in the lock
-file (FastAPI alone brings starlette, anyio and sniffio; uvicorn brings h11 and click) for an optional subcommand.
-Streaming (issue 53) needed no more than a chunked HTTP/1.1 body of server-sent events written by the handler thread
-(:meth:`Handler._stream`), fed by the worker through a queue per request.
+- Parsing is h11's: request line, headers and ``Content-Length`` strictly (digits only, one value: ``1_0``, ``+2``
+  and two different values are 400), a request head still incomplete past 16 KiB 431 (one that arrives whole in a
+  single read is parsed), a request line of an HTTP version other than 1.0/1.1 505 with a status line; each in
+  OpenAI's error shape (:meth:`_Connection.send_400_response` for what h11 refuses) and counted as a 4xx. A POST
+  without ``Content-Length`` (or chunked) is 411, a body over ``--max-request-bytes`` 413 (not read: uvicorn drops
+  it after the answer; over 16 times the limit the connection closes), a method no route takes 405 with ``Allow``.
+  Apart from that 505 (the status HTTP names for it, counted as the client's error), no client input is answered
+  with a 5xx: 500 is left for a failed ``generate``, 503 for shutting down, 504 for ``--request-timeout``.
+- Admission comes before tokenization (:meth:`OpenAIServer.admit`): past ``--max-concurrency`` requests in flight,
+  or past a client's budget of queued work (``--max-client-tokens``, ``n x max_tokens`` summed over its requests in
+  flight), 429 with ``Retry-After``; a client that would still hold fewer requests than another is admitted up to
+  twice ``--max-concurrency`` (max-min fairness), so clients that fill every slot cannot keep a new one out. A
+  client with no room is refused before its body is decoded, and, when it already has requests in flight, after
+  0.5 s, so that a pipelined flood of refused requests costs a few answers a second.
+- Preparation runs off the event loop: bodies over 64 KiB are decoded on one shared thread, every request is
+  rendered and tokenized on its client's own thread (one at a time per client). The chat template renders without
+  a lock; the prompt route is decided on the rendered prompt's length (up to 16k characters: the shared tokenizer,
+  else a second copy), so thousands of empty messages (0 content characters, a long prompt) never hold the shared
+  one; a rendered prompt longer than the context could hold is refused before tokenizing.
+- A client that hangs up is seen while its request waits or generates (pipelined bytes are read ahead, 64 KiB at
+  most, so a hang-up is not hidden behind them): its job is dropped when pending and its rows stop at the next step
+  when generating; it counts as ``client_disconnects``, not as an error.
+- Connections: at most ``--max-connections``; past it a connection of the client holding the most (the new one
+  included) is closed, the one that has owed a request the longest first, else one being answered (another
+  client's only); a connection that owes a request for ``--idle-timeout`` seconds, between requests or sending one
+  however slowly, is closed.
+- Fair generation: the batcher serves the client with the least work served first (new clients start at the
+  current virtual time), so a light request goes into the next ``generate`` call; it still waits for the call under
+  way (static batching: a call is not interrupted; a call of 64 rows x 256 tokens takes seconds on a CPU).
+
+Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``GET /stats`` counts 4xx and 5xx
+answers apart, clients that hang up as ``client_disconnects``, ``connections_open`` and ``connections_evicted``.
+The server binds 127.0.0.1 by default and has no authentication unless ``--api-key`` is given; clients are told
+apart by their address, so behind a reverse proxy all of them share one budget.
+
+Why uvicorn and Starlette now (issue 54), after the standard library's ``ThreadingHTTPServer`` with hand-written
+connection handling: attacks kept finding what a maintained HTTP stack already does (pipelined keep-alive
+connections that were never idle and so never evicted, a 505 without a status line, ``Content-Length: 1_0``
+accepted, unknown methods as 501), and a thread per connection made every waiting connection cost a thread. The
+batching (sampling keys, n choices, seeds, adapter on/off, stop strings) stays ours whichever server fronts it;
+LitServe's batcher groups requests by arrival only, one output per input. FastAPI would add request models and
+OpenAPI on top of Starlette, which the hand-written OpenAI validation (:mod:`vpo_lightning.serve.openai_api`) does
+not need. Both packages are locked dependencies (``requirements/``), not an extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import logging
+import math
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import anyio
+import h11
 import torch
+import uvicorn
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vpo_lightning.commands.tools import parse_args
 from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job, logprob_entries
@@ -89,7 +120,6 @@ from vpo_lightning.training.runtime import report_error
 log = logging.getLogger(__name__)
 
 OWNER = "vpo-lightning"
-EVICT_WAIT_S = 2.0  # how long a new connection waits for an evicted idle one to release its slot
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 PROBE_TOOL = "vpo_probe_tool"
 
@@ -208,19 +238,168 @@ class StreamedChoice:
 
 
 # ---- HTTP -------------------------------------------------------------------------------------------------------
-class OpenAIServer(ThreadingHTTPServer):
-    """The HTTP front end: validation, limits, model names; generation is delegated to a :class:`BatchGenerator`.
+INLINE_BODY_BYTES = 65_536  # bodies up to this size are decoded on the event loop (well under a millisecond)
+PIPELINE_READ_AHEAD = 65_536  # pipelined bytes read while a request is answered, so that a hang-up is seen
+REFUSAL_DELAY_S = 0.5  # a 429 to a client that has requests in flight is sent after this long
+CLOSE_ABOVE = 16  # a refused body over this many times --max-request-bytes is not read: the connection closes
+GET_ROUTES = ("/v1/models", "/health", "/stats")
+POST_ROUTES = ("/v1/chat/completions",)
+NOT_IMPLEMENTED = ("/v1/completions", "/v1/embeddings", "/v1/responses")
+KNOWN_METHODS = "GET, HEAD, POST"
+
+
+class _ClientGone(Exception):
+    """The client hung up before its answer was sent."""
+
+
+class _NoAnswer(Response):
+    """What an endpoint returns for a client that hung up: nothing is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+
+class _Stream(StreamingResponse):
+    """A server-sent-event response that calls ``on_close`` once it ends, however it ends (done, client gone,
+    server stopping), even when its body was never started."""
+
+    def __init__(self, content: Any, on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _ToLoop:
+    """``put`` from the worker thread into an asyncio queue of the event loop (a streamed job's events)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+        self.loop, self.events = loop, events
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped
+            pass
+
+
+class _QuietLog:
+    """uvicorn's per-connection logger: a client's malformed request is routine (debug), not a warning."""
+
+    level = logging.INFO  # uvicorn logs its per-connection trace messages below this
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        log.debug(msg, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(log, name)
+
+
+class _Admission:
+    """A slot taken by :meth:`OpenAIServer.admit`; ``release`` gives it back once, however often it is called."""
+
+    def __init__(self, server: OpenAIServer, client: str, work: int) -> None:
+        self.server, self.client, self.work, self.held = server, client, work, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.server.release(self.client, self.work)
+
+
+class _Connection(H11Protocol):
+    """uvicorn's HTTP/1.1 connection (h11: strict parsing of request lines, headers and ``Content-Length``,
+    keep-alive, pipelining) with the server's connection rules: the cap with eviction of the connection idle the
+    longest (:meth:`OpenAIServer.connection_opened`), the deadline for a request to arrive
+    (:meth:`OpenAIServer.reap_idle`), read-ahead of pipelined requests so a hang-up drops the work, and malformed
+    requests answered with a 4xx in OpenAI's shape and counted."""
+
+    owner: OpenAIServer  # set on the subclass each server makes
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logger = _QuietLog()
+        self.owes_since = time.monotonic()  # when the connection last started to owe the server a request
+        self.protocol_error: h11.RemoteProtocolError | None = None
+        next_event = self.conn.next_event
+
+        def recording() -> Any:  # keep h11's reason (and status hint) for send_400_response
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as err:
+                self.protocol_error = err
+                raise
+
+        self.conn.next_event = recording  # type: ignore[method-assign]
+
+    def answering(self) -> bool:
+        """A whole request was read and is being answered: not evicted, no deadline."""
+        return self.conn.their_state is h11.DONE
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.owes_since = time.monotonic()
+        self.owner.connection_opened(self)
+
+    def on_response_complete(self) -> None:
+        self.owes_since = time.monotonic()
+        super().on_response_complete()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # h11 stops at a pipelined request until the current one is answered, and uvicorn then stops reading, so a
+        # client that hangs up meanwhile would go unseen and its work be done for nobody. Read on, a bounded amount.
+        if (self.answering() and self.flow.read_paused and not self.transport.is_closing()
+                and len(self.conn.trailing_data[0]) <= PIPELINE_READ_AHEAD):
+            self.flow.resume_reading()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 refuses (bad request line, header or ``Content-Length``, headers too long): a 400 (431
+        for headers too long) in OpenAI's shape, then the connection closes."""
+        err = self.protocol_error
+        status = 431 if err is not None and err.error_status_hint == 431 else 400
+        body = json.dumps(APIError(status, f"malformed HTTP request: {err or msg}", code="bad_http_request")
+                          .body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:  # a response was under way: only closing is left
+            pass
+        self.transport.close()
+        self.owner.count_status(status)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server loop, which also closes connections past their deadline twice a second."""
+
+    owner: OpenAIServer
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 5 == 0:
+            self.owner.reap_idle()
+        return await super().on_tick(counter)
+
+
+class OpenAIServer:
+    """The HTTP front end (Starlette routes on uvicorn): validation, admission, limits, model names; generation is
+    delegated to a :class:`BatchGenerator`.
 
     Args:
         generator: the batching worker (started by :meth:`start`).
         models: served model id -> whether it uses the adapter.
         settings: limits.
         context_length: the model's maximum sequence length (prompt + completion).
-        address: ``(host, port)``; port 0 picks a free port.
+        address: ``(host, port)``; port 0 picks a free port. The socket is bound here.
     """
-
-    daemon_threads = True
-    allow_reuse_address = True
 
     def __init__(self, generator: BatchGenerator, models: dict[str, bool], settings: ServeSettings,
                  context_length: int, address: tuple[str, int] = ("127.0.0.1", 8000)) -> None:
@@ -233,226 +412,312 @@ class OpenAIServer(ThreadingHTTPServer):
         self.default_model = next((m for m, adapter in models.items() if adapter), next(iter(models)))
         self.created = int(time.time())
         self._in_flight = 0
+        # peer address -> [requests in flight, their n x max_tokens, the limiter its requests are prepared under]
+        self._clients: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
-        self._connections = threading.BoundedSemaphore(settings.max_connections)
-        self._serve_thread: threading.Thread | None = None
-        self._open: dict[Any, threading.Thread] = {}  # connection socket -> its handler thread
-        self._idle: dict[Any, float] = {}  # connection socket -> since when it waits for (or sends) a request
         self.http_stats = {"http_4xx": 0, "http_5xx": 0, "connections_evicted": 0, "client_disconnects": 0}
+        # Preparing a request runs on threads: decoding a large body on one thread at a time, so that a flood of
+        # them holds the interpreter lock against the event loop no more than one thread can; rendering and
+        # tokenizing on one thread per client, so that a client's flood waits for itself, never for other clients.
+        self._light = anyio.CapacityLimiter(4)
+        self._heavy = anyio.CapacityLimiter(1)
         host = address[0]
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, Handler)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind(address)
+            self.socket.listen(2048)
+        except OSError:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()[:2]
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            """The ASGI application: Starlette's request and responses, one dispatcher (every method and path,
+            so that an unknown method gets 405 in OpenAI's shape), answers counted by status."""
+            async def send_counted(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    self.count_status(message["status"])
+                await send(message)
+
+            response = await self._dispatch(Request(scope, receive))
+            await response(scope, receive, send_counted)
+
+        connection = type("Connection", (_Connection,), {"owner": self})
+        config = uvicorn.Config(app, http=connection, ws="none", lifespan="off", loop="asyncio",
+                                log_config=None, log_level="warning", access_log=False, server_header=False,
+                                timeout_keep_alive=max(1, math.ceil(settings.idle_timeout_s)),
+                                timeout_graceful_shutdown=5)
+        self._uvicorn = _Uvicorn(config)
+        self._uvicorn.owner = self
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.server_address
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}/v1"
+
+    def serve_forever(self) -> None:
+        """Serve HTTP on this thread until :meth:`shutdown` (or, on the main thread, SIGINT/SIGTERM)."""
+        self._uvicorn.run(sockets=[self.socket])
+
+    def shutdown(self) -> None:
+        """Stop accepting; :meth:`serve_forever` returns once open requests end (5 s at most)."""
+        self._uvicorn.should_exit = True
 
     def start(self) -> OpenAIServer:
         """Start the worker and serve HTTP on a background thread (tests, benchmarks)."""
         self.generator.start()
-        self._serve_thread = threading.Thread(target=self.serve_forever, name="vpo-serve-http", daemon=True)
-        self._serve_thread.start()
+        self._thread = threading.Thread(target=self.serve_forever, name="vpo-serve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._uvicorn.started:
+            raise RuntimeError("vpo serve: the HTTP server did not start")
         return self
 
     def close(self) -> None:
-        """Stop serving, fail queued requests with 503, release the socket and end open connections' threads."""
-        if self._serve_thread is not None:
-            self.shutdown()
-            self._serve_thread.join(timeout=10)
+        """Stop serving: queued requests get 503, open connections are closed, the socket is released."""
+        self.shutdown()
         self.generator.close()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
         self.server_close()
-        # Keep-alive clients leave handler threads blocked on their next request line; daemon threads still alive
-        # at interpreter exit are killed mid-call (std::terminate inside torch). Close their sockets and join them.
-        with self._lock:
-            open_now = list(self._open.items())
-        for sock, _ in open_now:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for _, thread in open_now:
-            thread.join(timeout=10)
 
+    def server_close(self) -> None:
+        self.socket.close()
+
+    # ---- counters -----------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """``GET /stats``: the worker's batching counters, requests in flight, 4xx/5xx answers and connections."""
         with self._lock:
-            return {**self.generator.stats, "in_flight": self._in_flight, **self.http_stats,
-                    "connections_open": len(self._open)}
+            return {**self.generator.stats, "in_flight": self._in_flight, "clients_in_flight": len(self._clients),
+                    **self.http_stats, "connections_open": len(self._live_connections())}
 
     def count_disconnect(self) -> None:
         with self._lock:
             self.http_stats["client_disconnects"] += 1
 
     def count_status(self, status: int) -> None:
+        """Count an answer: 505 (a request line of another HTTP version) is the client's error like every 4xx."""
         if status >= 400:
             with self._lock:
-                self.http_stats["http_5xx" if status >= 500 else "http_4xx"] += 1
+                self.http_stats["http_5xx" if status >= 500 and status != 505 else "http_4xx"] += 1
 
-    # connection cap: when it is reached, the connection idle the longest is closed to make room; when none is idle
-    # (every connection has a request being answered), the new client gets 503 and no thread is spawned
-    def mark_idle(self, request: Any) -> None:
-        """The connection waits for its next request (or is still sending one): it may be evicted."""
-        with self._lock:
-            self._idle[request] = time.monotonic()
+    # ---- connections --------------------------------------------------------------------------------------------
+    def _live_connections(self) -> list[_Connection]:
+        connections = list(self._uvicorn.server_state.connections)  # a copy: stats() may run on another thread
+        return [c for c in connections if not c.transport.is_closing()]
 
-    def mark_busy(self, request: Any) -> bool:
-        """A whole request was read: the connection may not be evicted until it is idle again. False when it was
-        evicted already (its socket is shut down)."""
-        with self._lock:
-            return self._idle.pop(request, None) is not None
-
-    def _evict_idlest(self) -> bool:
-        with self._lock:
-            if not self._idle:
-                return False
-            victim = min(self._idle, key=self._idle.__getitem__)
-            del self._idle[victim]
-            self.http_stats["connections_evicted"] += 1
-        try:
-            victim.shutdown(socket.SHUT_RDWR)  # its handler's read returns EOF; the thread ends, freeing the slot
-        except OSError:
-            pass
-        return True
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        admitted = self._connections.acquire(blocking=False)
-        if not admitted and self._evict_idlest():
-            admitted = self._connections.acquire(timeout=EVICT_WAIT_S)
-        if not admitted:
-            self.count_status(503)
-            try:
-                body = json.dumps(APIError(503, "too many open connections", type="server_error").body()).encode()
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
+    def connection_opened(self, new: _Connection) -> None:
+        """The connection cap: past it, a connection of the client (peer address) holding the most connections,
+        the new one included, is closed to make room: the one that has owed a request the longest (waiting for one
+        or still sending it), else, for another client, one being answered (its request is dropped). When the new
+        connection's own client holds the most and all its other connections are being answered, the new one gets
+        429 and is closed. So no client, however many connections it opens, can lock out one with fewer."""
+        live = self._live_connections()
+        if len(live) <= self.settings.max_connections:
             return
-        self.mark_idle(request)
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            self._open[request] = threading.current_thread()
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
+        mine = new.client[0] if new.client else ""
+        held: dict[str, list[_Connection]] = {mine: []}
+        for c in live:
+            if c is not new:
+                held.setdefault(c.client[0] if c.client else "", []).append(c)
+        top = max(held, key=lambda h: (len(held[h]) + (h == mine), h != mine))
+        idle = [c for c in held[top] if not c.answering()]
+        victims = idle or (held[top] if top != mine else [])
+        if victims:
+            min(victims, key=lambda c: c.owes_since).transport.close()
             with self._lock:
-                self._open.pop(request, None)
-                self._idle.pop(request, None)
-            self._connections.release()
+                self.http_stats["connections_evicted"] += 1
+            return
+        body = json.dumps(self._busy_error("too many open connections").body()).encode()
+        new.transport.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                            b"Retry-After: " + str(self.retry_after()).encode() + b"\r\nContent-Length: "
+                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+        new.transport.close()
+        self.count_status(429)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that went away (or an evicted connection) is routine: no traceback on stderr."""
-        err = sys.exc_info()[1]
-        if isinstance(err, OSError):
-            log.debug("connection from %s ended: %s", client_address, err)
-        else:
-            super().handle_error(request, client_address)
+    def reap_idle(self) -> None:
+        """Close connections that have owed a request for ``idle_timeout_s``: between requests, or sending one
+        however slowly (a slowloris client trickling a byte at a time)."""
+        limit = time.monotonic() - self.settings.idle_timeout_s
+        for c in self._live_connections():
+            if not c.answering() and c.owes_since < limit:
+                c.transport.close()
 
-    # admission control for generation requests
-    def admit(self) -> None:
+    # ---- admission ----------------------------------------------------------------------------------------------
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: about one generate call."""
+        return max(1, min(60, math.ceil(self.generator._last_generate_s)))
+
+    def _busy_error(self, message: str) -> APIError:
+        err = APIError(429, f"{message}; retry later", type="rate_limit_error", code="too_many_requests")
+        err.headers = {"Retry-After": str(self.retry_after())}
+        return err
+
+    def admit(self, client: str = "", work: int = 0) -> anyio.CapacityLimiter:
+        """Take a slot for a request of ``client`` with ``work`` = n x max_tokens, before its prompt is tokenized;
+        429 (with ``Retry-After``) when the server is full or this client's queued work would pass its budget.
+        Returns the limiter the client's requests are prepared under (one at a time per client).
+
+        Full means ``max_concurrency`` requests in flight, except for a client that would still hold fewer than
+        another client: it is admitted up to twice ``max_concurrency`` (max-min fairness), so clients that took
+        every slot cannot keep the next one out.
+        """
         with self._lock:
-            if self._in_flight >= self.settings.max_concurrency:
-                raise APIError(429, f"the server is busy ({self.settings.max_concurrency} requests in flight); "
-                                    "retry later", type="rate_limit_error", code="too_many_requests")
+            refused = self._room(client, work)
+            if refused is not None:
+                raise refused
+            held = self._clients.setdefault(client, [0, 0, anyio.CapacityLimiter(1)])
+            held[0] += 1
+            held[1] += work
             self._in_flight += 1
+            return held[2]
 
-    def release(self) -> None:
+    def _room(self, client: str, work: int) -> APIError | None:
+        """None when a request of ``client`` with ``work`` may be admitted now, else its 429 (under the lock)."""
+        s = self.settings
+        requests, queued = self._clients.get(client, (0, 0))[:2]
+        if self._in_flight >= s.max_concurrency:
+            most = max((held[0] for held in self._clients.values()), default=0)
+            if not (requests + 1 < most and self._in_flight < 2 * s.max_concurrency):
+                return self._busy_error(f"the server is busy ({self._in_flight} requests in flight)")
+        if queued + work > s.max_client_tokens:
+            return self._busy_error(f"this client's requests in flight ask for {queued} tokens (n x max_tokens) "
+                                    f"and this one for {work}: at most {s.max_client_tokens} per client")
+        return None
+
+    def release(self, client: str = "", work: int = 0) -> None:
         with self._lock:
             self._in_flight -= 1
+            held = self._clients.get(client)
+            if held is not None:
+                held[0] -= 1
+                held[1] -= work
+                if held[0] <= 0:
+                    del self._clients[client]
 
-    # the chat-completions endpoint
-    def build_job(self, body: Any) -> tuple[Job, ChatRequest]:
-        """Validate a request body into a :class:`Job` and its :class:`ChatRequest` (model, tools, streaming)."""
-        from vpo_lightning.generation.models import prompt_token_ids
+    # ---- preparing a request ------------------------------------------------------------------------------------
+    def parse(self, raw: bytes) -> ChatRequest:
+        """A request body (bytes) into a validated :class:`ChatRequest` (a 4xx :class:`APIError` otherwise)."""
+        return parse_chat_request(decode_json(raw), self.settings, self.models, self.default_model)
 
+    def build_job(self, body: Any, client: str = "") -> tuple[Job, ChatRequest]:
+        """Validate a decoded request body into a :class:`Job` and its :class:`ChatRequest` (no admission)."""
         request = parse_chat_request(body, self.settings, self.models, self.default_model)
+        return self.job_for(request, client), request
+
+    def job_for(self, request: ChatRequest, client: str = "") -> Job:
+        """Render the messages with the chat template and tokenize them: a prompt of up to ``SMALL_PROMPT_CHARS``
+        rendered characters with the shared tokenizer, a longer one with the second copy, so that thousands of
+        empty messages (a long rendered prompt of few content characters) never hold the shared one."""
         chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in request.messages)
         chars += len(json.dumps(request.tools)) if request.tools else 0
-        if chars > self.max_prompt_chars:  # certainly past the context: refused before any tokenization
-            raise bad_request(f"This model's maximum context length is {self.context_length} tokens and the "
-                              f"messages hold {chars} characters (no token is longer than {self.max_token_chars}, "
-                              f"so at most {self.max_prompt_chars} characters can fit). Please reduce the length of "
-                              "the messages.", "messages", "context_length_exceeded")
+        if chars > self.max_prompt_chars:  # certainly past the context: refused before rendering
+            raise self._too_long(f"the messages hold {chars} characters")
         gen = self.generator
-        small = chars <= SMALL_PROMPT_CHARS
         messages, tools = request.messages, request.tools
         if not self.template_tools:  # the template ignores tools: the tool-use task's system message carries them
             messages, tools = tooluse_messages(messages, tools), None
+        try:  # Jinja, no tokenizer state: needs no lock
+            text = gen.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - a chat template may reject a message order
+            raise bad_request(f"cannot render the messages with the chat template: {err}", "messages") from None
+        if len(text) > self.max_prompt_chars:
+            raise self._too_long(f"the rendered prompt holds {len(text)} characters")
+        small = len(text) <= SMALL_PROMPT_CHARS
         with gen.tokenizer_lock if small else gen.long_tokenizer_lock:
-            try:
-                prompt = prompt_token_ids(gen.tokenizer if small else gen.long_tokenizer, messages, tools)
-            except Exception as err:  # noqa: BLE001 - a chat template may reject a message order
-                raise bad_request(f"cannot render the messages with the chat template: {err}", "messages") from None
+            prompt = (gen.tokenizer if small else gen.long_tokenizer)(text, add_special_tokens=False)["input_ids"]
         max_tokens = request.key.max_tokens
         if len(prompt) + max_tokens > self.context_length:
             raise bad_request(f"This model's maximum context length is {self.context_length} tokens. However, you "
                               f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
                               "completion.", "messages", "context_length_exceeded")
-        job = Job(prompt, request.n, request.key, request.stops, logprobs=request.logprobs,
-                  events=queue.Queue() if request.stream else None)
-        return job, request
+        return Job(prompt, request.n, request.key, request.stops, logprobs=request.logprobs, client=client)
 
-    def _submit(self, job: Job) -> Any:
-        """Queue an admitted job; with ``job.events``, ``None`` is put there once it is done (or failed)."""
-        future = self.generator.submit(job)
-        if job.events is not None:
-            events = job.events
-            future.add_done_callback(lambda _: events.put(None))
-        return future
+    def _too_long(self, what: str) -> APIError:
+        return bad_request(f"This model's maximum context length is {self.context_length} tokens and {what} (no "
+                           f"token is longer than {self.max_token_chars}, so at most {self.max_prompt_chars} "
+                           "characters can fit). Please reduce the length of the messages.", "messages",
+                           "context_length_exceeded")
 
-    def _result(self, future: Any, timeout: float) -> list[Choice]:
+    # ---- answering ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _result(future: Any) -> list[Choice]:
+        """The choices of a finished job (its APIError, e.g. a failed ``generate``, raised)."""
         try:
-            return future.result(timeout=timeout)
-        except FutureTimeout:
-            future.cancel()
-            raise APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
-                           type="server_error") from None
+            return future.result(timeout=0)
         except CancelledError:
             raise APIError(503, "the server is shutting down", type="server_error") from None
 
-    def complete(self, body: Any) -> dict[str, Any]:
-        """A non-streamed chat completion for a request body (``stream: true`` bodies go to :meth:`stream`)."""
-        job, request = self.build_job(body)
-        if request.stream:
-            raise bad_request("use OpenAIServer.stream for a streamed request", "stream")
-        return self.answer(job, request)
+    def _timeout(self) -> APIError:
+        return APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
+                        type="server_error")
 
-    def answer(self, job: Job, request: ChatRequest) -> dict[str, Any]:
-        """Generate ``job`` and give OpenAI's ``chat.completion`` object."""
-        self.admit()
+    async def _until_answer(self, request: Request, awaitable: Any, job: Job, timeout: float | None) -> Any:
+        """Await ``awaitable`` unless the client hangs up first (the job is dropped: :class:`_ClientGone`) or
+        ``timeout`` passes (504)."""
+        task = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self._hang_up(request))
         try:
-            choices = self._result(self._submit(job), self.settings.request_timeout_s)
+            done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request was cancelled (the server is stopping)
+            task.cancel()
+            job.dropped = True
+            raise
         finally:
-            self.release()
+            gone.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        job.dropped = True
+        await asyncio.wait({task})  # let it end (a stream's generator must not be running when it is closed)
+        if gone in done:
+            raise _ClientGone
+        raise self._timeout()
+
+    @staticmethod
+    async def _hang_up(request: Request) -> None:
+        """Returns when the client has gone (its request body was read before)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def answer(self, request: Request, job: Job, chat: ChatRequest) -> dict[str, Any]:
+        """Generate ``job`` and give OpenAI's ``chat.completion`` object."""
+        future = self.generator.submit(job)
+        try:
+            await self._until_answer(request, asyncio.wrap_future(future), job, self.settings.request_timeout_s)
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise
+        choices = self._result(future)
         completion = sum(c.tokens for c in choices)
         out = []
         for i, c in enumerate(choices):
-            message, finish = message_of(c, request)
+            message, finish = message_of(c, chat)
             logprobs = None if c.logprobs is None else {"content": c.logprobs, "refusal": None}
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": request.model, "system_fingerprint": None, "choices": out,
+            "model": chat.model, "system_fingerprint": None, "choices": out,
             "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
                       "total_tokens": len(job.prompt_ids) + completion},
         }
 
-    def stream(self, job: Job, request: ChatRequest) -> Iterator[dict[str, Any]]:
-        """OpenAI's ``chat.completion.chunk`` objects of a streamed request, as tokens are generated.
+    async def stream(self, job: Job, request: ChatRequest, events: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI's ``chat.completion.chunk`` objects of a streamed request, as tokens are generated (``events``:
+        the queue ``job.events`` puts into).
 
         The first chunk (each choice's role) comes once generation has produced something, so that a request that
-        fails before (429, 504, a failed ``generate``) raises :class:`APIError` from the first ``next`` and can be
-        answered with a plain error. Text is sent once final (:class:`StreamedChoice`); the rest, tool calls and
-        the finish reason come in each choice's last chunk, the usage in a chunk of its own with
-        ``stream_options.include_usage``.
+        fails before (504, a failed ``generate``) raises :class:`APIError` from the first ``__anext__`` and can be
+        answered with a plain error. Text is sent once final (:class:`StreamedChoice`, decoded on a thread: the
+        tokenizer's lock is never waited for on the event loop); the rest, tool calls and the finish reason come in
+        each choice's last chunk, the usage in a chunk of its own with ``stream_options.include_usage``.
         """
-        assert job.events is not None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         gen = self.generator
 
@@ -476,292 +741,233 @@ class OpenAIServer(ThreadingHTTPServer):
             state.sent_entries += len(made)
             return made
 
-        holds = request.stops + ((TOOL_OPEN,) if request.tools else ())
-        states = [StreamedChoice(holds, request.key.max_tokens, gen.eos) for _ in range(request.n)]
-        self.admit()
-        try:
-            future = self._submit(job)
-            deadline = time.monotonic() + self.settings.request_timeout_s
-            started = False
-            while True:
-                try:
-                    event = job.events.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    future.cancel()
-                    raise APIError(504, f"generation did not finish within {self.settings.request_timeout_s:.0f}s",
-                                   type="server_error") from None
-                if event is None:
-                    break
-                if not started:
-                    started = True
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(request.n)])
-                index, token, logprob, alternatives = event
+        def step(tokens: list[tuple[int, int, float, list]]) -> list[dict[str, Any]]:
+            """The content chunks for newly generated tokens (on a worker thread)."""
+            out = []
+            for index, token, logprob, alternatives in tokens:
                 state = states[index]
                 delta, first, end = state.add(token, logprob, alternatives, decode)
                 if end > first:
                     logprobs = None if request.logprobs is None else \
                         {"content": entries(state, first, end), "refusal": None}
                     if delta or (logprobs and logprobs["content"]):
-                        yield chunk([{"index": index, "delta": {"content": delta}, "logprobs": logprobs,
-                                      "finish_reason": None}])
-            choices = self._result(future, 0)
-            if not started:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(request.n)])
-            for i, (choice, state) in enumerate(zip(choices, states)):
-                message, finish = message_of(choice, request)
-                content = message.get("content") or ""
-                last: dict[str, Any] = {}
-                if content.startswith(state.text) and len(content) > len(state.text):
-                    last["content"] = content[len(state.text) :]
-                elif not content.startswith(state.text):
-                    log.warning("streamed text of choice %d is not a prefix of its final text", i)
-                if message.get("tool_calls"):
-                    last["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-                rest = None if choice.logprobs is None else choice.logprobs[state.sent_entries :]
-                logprobs = None if rest is None else {"content": rest, "refusal": None}
-                yield chunk([{"index": i, "delta": last, "logprobs": logprobs, "finish_reason": finish}])
-            if request.include_usage:
-                completion = sum(c.tokens for c in choices)
-                yield chunk([], {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
-                                 "total_tokens": len(job.prompt_ids) + completion})
+                        out.append(chunk([{"index": index, "delta": {"content": delta}, "logprobs": logprobs,
+                                           "finish_reason": None}]))
+            return out
+
+        holds = request.stops + ((TOOL_OPEN,) if request.tools else ())
+        states = [StreamedChoice(holds, request.key.max_tokens, gen.eos) for _ in range(request.n)]
+        future = self.generator.submit(job)
+        future.add_done_callback(lambda _: job.events.put(None))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.request_timeout_s
+        started, finished = False, False
+        try:
+            while not finished:
+                try:
+                    batch = [await asyncio.wait_for(events.get(), max(0.0, deadline - loop.time()))]
+                except asyncio.TimeoutError:
+                    raise self._timeout() from None
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                finished = batch[-1] is None
+                tokens = [e for e in batch if e is not None]
+                if not tokens:
+                    continue
+                if not started:
+                    started = True
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(request.n)])
+                for item in await anyio.to_thread.run_sync(step, tokens, limiter=self._light):
+                    yield item
+            choices = self._result(future)
         finally:
-            self.release()
+            if not future.done():
+                future.cancel()
+                job.dropped = True
+        if not started:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(request.n)])
+        for i, (choice, state) in enumerate(zip(choices, states)):
+            message, finish = message_of(choice, request)
+            content = message.get("content") or ""
+            last: dict[str, Any] = {}
+            if content.startswith(state.text) and len(content) > len(state.text):
+                last["content"] = content[len(state.text) :]
+            elif not content.startswith(state.text):
+                log.warning("streamed text of choice %d is not a prefix of its final text", i)
+            if message.get("tool_calls"):
+                last["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            rest = None if choice.logprobs is None else choice.logprobs[state.sent_entries :]
+            logprobs = None if rest is None else {"content": rest, "refusal": None}
+            yield chunk([{"index": i, "delta": last, "logprobs": logprobs, "finish_reason": finish}])
+        if request.include_usage:
+            completion = sum(c.tokens for c in choices)
+            yield chunk([], {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(job.prompt_ids) + completion})
 
     def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": self.created, "owned_by": OWNER}
                                            for m in self.models]}
 
+    # ---- routes -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+        response = Response(json.dumps(payload), status, media_type="application/json")
+        # as written (Starlette would lower-case them): "Allow", "Retry-After" as most servers send them
+        response.raw_headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items())
+        return response
 
-class Handler(BaseHTTPRequestHandler):
-    """Routes: POST /v1/chat/completions, GET /v1/models, GET /v1/models/<id>, GET /health, GET /stats."""
+    def _error(self, err: APIError) -> Response:
+        return self._json(err.status, err.body(), err.headers or None)
 
-    protocol_version = "HTTP/1.1"  # keep-alive: every response carries Content-Length
-    server_version = "vpo-serve"
-    server: OpenAIServer
-
-    GET_ROUTES = ("/v1/models", "/health", "/stats")
-    POST_ROUTES = ("/v1/chat/completions",)
-
-    def setup(self) -> None:
-        self.timeout = self.server.settings.idle_timeout_s  # a silent connection is closed after this long
-        super().setup()
-
-    def handle_one_request(self) -> None:
-        self.server.mark_idle(self.connection)  # waiting for the next request: may be evicted when the cap is hit
-        super().handle_one_request()
-
-    def _busy(self) -> bool:
-        """Mark the connection busy (a whole request was read); False, and close, when it was evicted meanwhile."""
-        if self.server.mark_busy(self.connection):
-            return True
-        self.close_connection = True
-        return False
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
-        log.debug("%s - %s", self.address_string(), format % args)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own errors (bad request line, header too long, unknown method) in OpenAI's JSON shape."""
-        self.close_connection = True
-        text = message or self.responses.get(code, ("error",))[0]
-        kind = "server_error" if code >= 500 else "invalid_request_error"
-        self._error(APIError(code, f"{text}{f': {explain}' if explain else ''}", type=kind))
-
-    def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload).encode("utf-8")
+    async def _dispatch(self, request: Request) -> Response:
+        """Every request: routes, errors in OpenAI's shape; nothing a client sends is a 500."""
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except (ConnectionError, TimeoutError) as err:  # the client hung up: not an error of this server
-            self._client_gone(err)
-            return
-        self.server.count_status(status)
-
-    def _stream(self, chunks: Iterator[dict[str, Any]]) -> None:
-        """Send chunks as server-sent events (``data: {...}``, then ``data: [DONE]``) in a chunked HTTP/1.1 body.
-        An error before the first chunk raises (a plain error answer); one after it is sent as an ``error`` event."""
-        try:
-            first = next(chunks)
-        except StopIteration:
-            raise APIError(500, "the stream produced no chunk", type="server_error") from None
-        except BaseException:
-            chunks.close()
-            raise
-        status = 200
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-
-            def event(data: bytes) -> None:
-                payload = b"data: " + data + b"\n\n"
-                self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
-                self.wfile.flush()
-
-            event(json.dumps(first).encode("utf-8"))
-            try:
-                for item in chunks:
-                    event(json.dumps(item).encode("utf-8"))
-            except APIError as err:
-                status = err.status
-                event(json.dumps(err.body()).encode("utf-8"))
-            event(b"[DONE]")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (ConnectionError, TimeoutError) as err:  # the client hung up mid-stream
-            self._client_gone(err)
-            return
-        finally:
-            chunks.close()
-        self.server.count_status(status)
-
-    def _client_gone(self, err: BaseException) -> None:
-        self.close_connection = True
-        self.server.count_disconnect()
-        log.debug("client %s went away: %s", self.client_address, err)
-
-    def _error(self, err: APIError, headers: dict[str, str] | None = None) -> None:
-        self._send(err.status, err.body(), headers)
-
-    def _path(self) -> str:
-        return self.path.split("?", 1)[0].rstrip("/") or "/"
-
-    def _route_error(self, method: str) -> None:
-        path = self._path()
-        allowed = [m for m, routes in (("GET", self.GET_ROUTES), ("POST", self.POST_ROUTES))
-                   if path in routes or (m == "GET" and path.startswith("/v1/models/"))]
-        self._discard_body()
-        if allowed:
-            self._error(APIError(405, f"method {method} is not allowed on {path}; use {', '.join(allowed)}",
-                                 code="method_not_allowed"), {"Allow": ", ".join(allowed)})
-        elif path in ("/v1/completions", "/v1/embeddings", "/v1/responses"):
-            self._error(APIError(404, f"{path} is not implemented by vpo serve; send chat messages to POST "
-                                      "/v1/chat/completions", code="not_found"))
-        else:
-            self._error(APIError(404, f"no route {method} {path}; routes: POST /v1/chat/completions, "
-                                      "GET /v1/models, GET /health", code="not_found"))
-
-    def _authorized(self) -> bool:
-        key = self.server.settings.api_key
-        if key and self.headers.get("Authorization") != f"Bearer {key}":
-            self._discard_body()
-            self._error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                 type="authentication_error", code="invalid_api_key"))
-            return False
-        return True
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
-        if not self._busy():
-            return
-        path = self._path()
-        if path == "/health":
-            self._send(200, {"status": "ok", "models": list(self.server.models)})
-        elif not self._authorized():
-            return
-        elif path == "/v1/models":
-            self._send(200, self.server.list_models())
-        elif path.startswith("/v1/models/"):
-            name = path[len("/v1/models/") :]
-            found = [m for m in self.server.list_models()["data"] if m["id"] == name]
-            if found:
-                self._send(200, found[0])
-            else:
-                self._error(APIError(404, f"The model {name!r} does not exist", param="model",
-                                     code="model_not_found"))
-        elif path == "/stats":
-            self._send(200, self.server.stats())
-        else:
-            self._route_error("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self._path() not in self.POST_ROUTES:
-            self._route_error("POST")
-            return
-        if not self._authorized():
-            return
-        try:
-            body = self._read_json()
-            if not self._busy():
-                return
-            job, request = self.server.build_job(body)
-            if request.stream:
-                self._stream(self.server.stream(job, request))
-            else:
-                self._send(200, self.server.answer(job, request))
+            return await self._route(request)
         except APIError as err:
-            self._error(err)
-        except (ConnectionError, TimeoutError) as err:  # hung up while sending its request
-            self._client_gone(err)
+            return self._error(err)
+        except (_ClientGone, ClientDisconnect):
+            self.count_disconnect()
+            return _NoAnswer()
         except Exception as err:  # noqa: BLE001 - report, keep serving
             log.exception("request failed")
-            self._error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
+            return self._error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
 
-    def _discard_body(self) -> None:
-        """Read and drop a request body we will not use (closing a socket with unread data resets it, and the
-        client could lose the response), then close the connection; a chunked or huge body is not read."""
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
-            return
+    def _refuse_body(self, request: Request, err: APIError) -> APIError:
+        """``err`` for a request whose body is not read: uvicorn reads and drops it after the answer, unless it is
+        huge or of unknown length (then the connection closes)."""
+        length = request.headers.get("content-length")
+        if length is None or int(length) > CLOSE_ABOVE * self.settings.max_request_bytes:
+            err.headers = {**err.headers, "Connection": "close"}
+        return err
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.settings.api_key
+        return not key or request.headers.get("authorization") == f"Bearer {key}"
+
+    async def _route(self, request: Request) -> Response:
+        version = request.scope.get("http_version", "1.1")
+        if version not in ("1.0", "1.1"):
+            raise self._refuse_body(request, APIError(
+                505, f"HTTP/{version} is not supported: send HTTP/1.1", code="http_version_not_supported"))
+        method, path = request.method, request.scope["path"].rstrip("/") or "/"
+        if method == "POST" and path in POST_ROUTES:
+            return await self._chat(request)
+        if method in ("GET", "HEAD") and (path in GET_ROUTES or path.startswith("/v1/models/")):
+            if path != "/health" and not self._authorized(request):
+                raise self._unauthorized()
+            return self._get(path)
+        raise self._refuse_body(request, self._route_error(method, path))
+
+    @staticmethod
+    def _unauthorized() -> APIError:
+        return APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
+                        code="invalid_api_key")
+
+    def _get(self, path: str) -> Response:
+        if path == "/health":
+            return self._json(200, {"status": "ok", "models": list(self.models)})
+        if path == "/v1/models":
+            return self._json(200, self.list_models())
+        if path == "/stats":
+            return self._json(200, self.stats())
+        name = path[len("/v1/models/") :]
+        found = [m for m in self.list_models()["data"] if m["id"] == name]
+        if not found:
+            raise APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
+        return self._json(200, found[0])
+
+    @staticmethod
+    def _route_error(method: str, path: str) -> APIError:
+        allowed = "GET, HEAD" if path in GET_ROUTES or path.startswith("/v1/models/") else \
+            "POST" if path in POST_ROUTES else None
+        if allowed is None and method not in ("GET", "HEAD", "POST"):  # a method no route takes, on any path
+            allowed = KNOWN_METHODS
+        if allowed:
+            err = APIError(405, f"method {method} is not allowed on {path}; use {allowed}", code="method_not_allowed")
+            err.headers = {"Allow": allowed}
+            return err
+        if path in NOT_IMPLEMENTED:
+            return APIError(404, f"{path} is not implemented by vpo serve; send chat messages to POST "
+                                 "/v1/chat/completions", code="not_found")
+        return APIError(404, f"no route {method} {path}; routes: POST /v1/chat/completions, GET /v1/models, "
+                             "GET /health", code="not_found")
+
+    async def _chat(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``: body, validation, admission, then tokenizing on a thread, generation."""
+        if not self._authorized(request):
+            raise self._refuse_body(request, self._unauthorized())
+        length = request.headers.get("content-length")
+        if length is None or "transfer-encoding" in request.headers:
+            raise self._refuse_body(request, APIError(
+                411, "a Content-Length header is required (chunked bodies are not supported)", code="length_required"))
+        size = int(length)  # h11 accepts only digits, and one value
+        if size > self.settings.max_request_bytes:
+            raise self._refuse_body(request, APIError(
+                413, f"request body of {size} bytes exceeds the limit of {self.settings.max_request_bytes} bytes",
+                code="request_too_large"))
+        client = request.client.host if request.client else ""
+        with self._lock:  # no room for this client even for no work: refused before its body is read and decoded
+            refused, holding = self._room(client, 0), client in self._clients
+        if refused is not None:
+            if holding:  # a client refused while its own requests are in flight waits for its 429: a pipelining
+                await asyncio.sleep(REFUSAL_DELAY_S)  # flood then costs the event loop a few requests a second
+            raise refused
+        raw = await request.body()
+        if size <= INLINE_BODY_BYTES:
+            chat = self.parse(raw)
+        else:
+            chat = await anyio.to_thread.run_sync(self.parse, raw, limiter=self._heavy)
+        slot = _Admission(self, client, chat.n * chat.key.max_tokens)
+        limiter = self.admit(slot.client, slot.work)
         try:
-            size = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            size = -1
-        if size == 0:
-            return
-        if size < 0 or size > 16 * self.server.settings.max_request_bytes:
-            self.close_connection = True
-            return
+            job = await anyio.to_thread.run_sync(self.job_for, chat, client, limiter=limiter)
+            if chat.stream:
+                response = await self._stream_response(request, job, chat, slot)
+                slot = None  # the response releases it when it ends
+                return response
+            return self._json(200, await self.answer(request, job, chat))
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def _stream_response(self, request: Request, job: Job, chat: ChatRequest, slot: _Admission) -> Response:
+        """Server-sent events (``data: {...}``, then ``data: [DONE]``). An error before the first chunk is a plain
+        error answer; one after it is sent as an ``error`` event."""
+        events: asyncio.Queue = asyncio.Queue()
+        job.events = _ToLoop(asyncio.get_running_loop(), events)
+        chunks = self.stream(job, chat, events)
         try:
-            while size > 0:
-                chunk = self.rfile.read(min(size, 1 << 16))
-                if not chunk:
-                    break
-                size -= len(chunk)
-        except OSError:
-            pass
-        self.close_connection = True
+            first = await self._until_answer(request, chunks.__anext__(), job, None)
+        except StopAsyncIteration:
+            raise APIError(500, "the stream produced no chunk", type="server_error") from None
+        except BaseException:
+            await chunks.aclose()
+            raise
+        state = {"done": False}
 
-    def _read_json(self) -> Any:
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length is None:
-            self.close_connection = True
-            raise APIError(411, "a Content-Length header is required (chunked bodies are not supported)",
-                           code="length_required")
-        try:
-            size = int(length)
-        except ValueError:
-            self.close_connection = True
-            raise bad_request(f"invalid Content-Length {length!r}") from None
-        if size < 0 or size > self.server.settings.max_request_bytes:
-            self._discard_body()
-            raise APIError(413, f"request body of {size} bytes exceeds the limit of "
-                                f"{self.server.settings.max_request_bytes} bytes", code="request_too_large")
-        raw = self.rfile.read(size)
-        if len(raw) < size:
-            raise ConnectionAbortedError(f"the client closed the connection after {len(raw)} of {size} body bytes")
-        return decode_json(raw)
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield b"data: " + json.dumps(first).encode() + b"\n\n"
+                try:
+                    async for item in chunks:
+                        yield b"data: " + json.dumps(item).encode() + b"\n\n"
+                except APIError as err:
+                    self.count_status(err.status)
+                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                state["done"] = True
+            finally:
+                await chunks.aclose()
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._route_error("PUT")
+        def on_close() -> None:
+            slot.release()
+            if not state["done"]:  # the client hung up (or the server stopped) mid-stream: stop its rows
+                job.dropped = True
+                self.count_disconnect()
 
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._route_error("DELETE")
-
-    def do_PATCH(self) -> None:  # noqa: N802
-        self._route_error("PATCH")
+        return _Stream(body(), on_close)
 
 
 # ---- building a server ------------------------------------------------------------------------------------------
@@ -842,7 +1048,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections at once; when all are taken the one idle the longest is closed "
                         "(default: max(64, 4 x --max-concurrency))")
     p.add_argument("--idle-timeout", type=float, default=30.0,
-                   help="seconds a connection may stay silent (between requests or mid-request) before it is closed")
+                   help="seconds a connection may owe a request (between requests, or sending one however slowly) "
+                        "before it is closed")
+    p.add_argument("--max-client-tokens", type=int,
+                   help="queued work of one client address, n x max_tokens summed over its requests in flight, "
+                        "before 429 (default: max(max_n x max_tokens_limit, max_batch_size x max_tokens_limit / 2))")
     p.add_argument("--api-key", default=os.environ.get("VPO_SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $VPO_SERVE_API_KEY; none = no auth)")
     p.add_argument("--ignore-seed", action="store_true",
@@ -876,6 +1086,7 @@ def main(argv: list[str]) -> int:
             default_max_tokens=default_tokens, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, api_key=args.api_key, ignore_seed=args.ignore_seed,
             max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+            max_client_tokens=args.max_client_tokens,
         )
         trained = bool(args.adapter or args.ckpt)
         adapter_name = args.adapter_name if trained and hasattr(model, "disable_adapter") else None
@@ -891,11 +1102,9 @@ def main(argv: list[str]) -> int:
         print(f"vpo serve: warning: binding {args.host} exposes the model beyond this machine"
               + ("" if args.api_key else " with no API key (--api-key)"), file=sys.stderr)
     server.generator.start()
-
-    def stop(signum: int, frame: Any) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the previous handler: SIGINT's
+    # is KeyboardInterrupt (caught below), SIGTERM's would end the process before close(), so it gets a no-op
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     print(f"vpo serve: serving {', '.join(server.models)} at {server.url} "
           f"(max concurrency {settings.max_concurrency}, max_tokens <= {settings.max_tokens_limit}, "
           f"context {server.context_length}, {model_settings.dtype} weights, {torch.get_num_threads()} threads)",

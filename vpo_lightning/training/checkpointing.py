@@ -12,6 +12,11 @@ rollout's samples are dropped: nothing of the step has touched the weights, the 
 during the update, at the end of the step; during in-loop validation, after the validation rollout in progress, as of
 the step before it. ``vpo fit`` then exits with code 143 (128 + SIGTERM) instead of 0, so a
 scheduler sees an interrupted job; ``--ckpt_path last`` resumes it in the same folder, as if never stopped.
+
+With several processes (DDP) the ranks decide together: the signal handler only notes the signal (Lightning 2.6's
+broadcasts inside the handler, which deadlocks when every rank gets the SIGTERM, as from ``kill -TERM -<pgid>``), and
+the run stops where every rank passes (:func:`agree_on_sigterm`): after the rollout (a rank that got it stops
+generating at the next token, then waits there for the others), at a step's end and at a validation batch's end.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from typing import Any
 from weakref import proxy
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.connectors import signal_connector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,60 @@ def pause_point(point: str, step: int | Callable[[], int]) -> None:
         return
     Path(os.environ.get("VPO_TEST_PAUSE_FILE", "vpo_paused")).write_text(spec + "\n")
     time.sleep(float(os.environ.get("VPO_TEST_PAUSE_S", "600")))
+
+
+class _SignalNotes(signal_connector._SignalConnector):
+    """Lightning's signal connector with a SIGTERM handler that does no collective (Lightning 2.6's broadcasts from
+    inside the handler: with the signal on every rank, rank 1 gets it twice, from the kill and from rank 0, and its
+    second broadcast has no partner). One process: as Lightning's, it sets ``received_sigterm``. Several: it sets
+    ``pending`` only; ``received_sigterm``, which Lightning's loops read on each rank, changes at
+    :func:`agree_on_sigterm` alone, so the ranks always read the same value."""
+
+    pending = False
+
+    def register_signal_handlers(self) -> None:
+        self.pending = False
+        super().register_signal_handlers()
+
+    def _sigterm_notifier_fn(self, signum: Any, _: Any) -> None:
+        signal_connector.log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
+        if not (self.received_sigterm or self.pending):
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # rank 0 passes it on to the ranks it started, once
+        if self.trainer.world_size > 1:
+            self.pending = True
+        else:
+            self.received_sigterm = True
+
+
+def use_collective_sigterm(trainer: L.Trainer) -> None:
+    """Give ``trainer`` the connector of :class:`_SignalNotes`; from a callback's ``setup``, before Lightning registers
+    its handlers (it restores the previous ones at teardown, as always)."""
+    if not isinstance(trainer._signal_connector, _SignalNotes):
+        trainer._signal_connector = _SignalNotes(trainer)
+
+
+def sigterm_pending(trainer: L.Trainer) -> bool:
+    """Whether this rank got a SIGTERM (agreed on or not yet): a rank's reason to cut its rollout short."""
+    return bool(getattr(trainer, "received_sigterm", False) or getattr(trainer._signal_connector, "pending", False))
+
+
+def agree_on_sigterm(trainer: L.Trainer, got_it: bool = False) -> bool:
+    """``trainer.received_sigterm`` on every rank if any rank got a SIGTERM (or passes ``got_it``); a collective that
+    every rank must call at the same point. One process: ``received_sigterm`` (or ``got_it``) as it is."""
+    got_it = got_it or sigterm_pending(trainer)
+    if trainer.world_size > 1:
+        flag = torch.tensor(float(got_it), device=trainer.strategy.root_device)
+        got_it = float(trainer.strategy.reduce(flag, reduce_op="sum")) > 0
+        if got_it:
+            note_sigterm(trainer)
+    return got_it
+
+
+def note_sigterm(trainer: L.Trainer) -> None:
+    """Set ``trainer.received_sigterm`` (Lightning's loops then stop the run); under DDP, only where every rank does."""
+    trainer._signal_connector.received_sigterm = True
 
 
 class AdapterCheckpoint(ModelCheckpoint):
@@ -96,6 +158,7 @@ class AdapterCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Clean up after a run killed while writing: stray temp files, and an adapter caught mid-swap."""
         super().setup(trainer, pl_module, stage)
+        use_collective_sigterm(trainer)
         if not trainer.is_global_zero or not self.dirpath or not Path(self.dirpath).is_dir():
             return
         root = Path(self.dirpath)
@@ -167,8 +230,11 @@ class AdapterCheckpoint(ModelCheckpoint):
         """After a SIGTERM during in-loop validation (between two training steps, where Lightning itself saves on
         validation end), ``last.ckpt`` of the step that preceded it."""
         super().on_exception(trainer, pl_module, exception)
-        if (isinstance(exception, SIGTERMException) and trainer.validating and self.save_last
-                and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step):
+        if isinstance(exception, SIGTERMException) and trainer.validating:
+            self._save_during_validation(trainer)
+
+    def _save_during_validation(self, trainer: L.Trainer) -> None:
+        if self.save_last and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             log.warning("SIGTERM received during validation: writing last.ckpt as of step %d", trainer.global_step)
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
@@ -177,9 +243,17 @@ class AdapterCheckpoint(ModelCheckpoint):
         """Lightning's every-N-steps checkpoint; after a SIGTERM, also ``last.ckpt`` of this step (Lightning stops
         the run right after this hook, with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException`)."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.received_sigterm and self.save_last and self._last_global_step_saved != trainer.global_step:
+        if agree_on_sigterm(trainer) and self.save_last and self._last_global_step_saved != trainer.global_step:
             log.warning("SIGTERM received: step %d finished, writing last.ckpt before stopping", trainer.global_step)
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Several processes: the ranks agree on a SIGTERM after each validation batch (Lightning then stops them all,
+        unless the batch was the last) and write ``last.ckpt`` of the step that preceded it, together."""
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        if trainer.world_size > 1 and agree_on_sigterm(trainer) and not trainer.sanity_checking:
+            self._save_during_validation(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)

@@ -38,7 +38,7 @@ from vpo_lightning.core.protocol import (
 from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
-from vpo_lightning.training.checkpointing import AdapterCheckpoint, pause_point
+from vpo_lightning.training.checkpointing import AdapterCheckpoint, note_sigterm, pause_point, sigterm_pending
 from vpo_lightning.training.progress import action_needed, show_phase
 from vpo_lightning.training.records import template_tools
 
@@ -170,24 +170,30 @@ class RolloutCallback(L.Callback):
         stream = getattr(trainer.datamodule, "train_stream", None) if trainer.datamodule is not None else None
 
         def report(finished: int, total: int, tokens: int) -> None:  # the bar's `now` field during the rollout
-            if getattr(trainer, "received_sigterm", False):  # preempted: stop generating, save, exit
+            if sigterm_pending(trainer):  # preempted: stop generating, save, exit
                 raise RolloutInterrupted
             show_phase(trainer, pl_module, f"rollout {finished}/{total} chains, {tokens:,} tok",
                        force=finished == total)
 
         self.engine.progress = report
+        interrupted = False
         try:
             batch["rollout"] = self.rollout(pl_module, batch, step=trainer.global_step, rank=trainer.global_rank,
                                             pool=getattr(stream, "records", None))
         except RolloutInterrupted:
-            if isinstance(trainer.checkpoint_callback, AdapterCheckpoint):
-                trainer.checkpoint_callback.save_before_step(trainer)
-            raise SIGTERMException from None  # what Lightning raises after a step when SIGTERM came
+            interrupted = True
         finally:
             self.engine.progress = None
-        tokens = batch["rollout"].metrics["rollout/tokens"]
-        if trainer.world_size > 1:  # every rank must agree on when the budget runs out
-            tokens = float(trainer.strategy.reduce(torch.tensor(tokens, device=pl_module.device), reduce_op="sum"))
+        tokens = 0.0 if interrupted else batch["rollout"].metrics["rollout/tokens"]
+        if trainer.world_size > 1:  # every rank must agree on when the budget runs out, and on a SIGTERM
+            both = trainer.strategy.reduce(torch.tensor([tokens, float(interrupted or sigterm_pending(trainer))],
+                                                        device=pl_module.device), reduce_op="sum")
+            tokens, interrupted = float(both[0]), bool(both[1] > 0)
+        if interrupted:  # any rank's SIGTERM stops them all: last.ckpt as of the step before (together), then stop
+            note_sigterm(trainer)
+            if isinstance(trainer.checkpoint_callback, AdapterCheckpoint):
+                trainer.checkpoint_callback.save_before_step(trainer)
+            raise SIGTERMException  # what Lightning raises after a step when SIGTERM came
         self.generated_tokens += int(tokens)
         if trainer.datamodule is not None and hasattr(trainer.datamodule, "mark_consumed"):
             trainer.datamodule.mark_consumed(batch["position"])

@@ -25,16 +25,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from vpo_lightning.core import metrics
-from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
+from vpo_lightning.core.advantages import max_at_k_default, set_rewards
 from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.estimators import DEFAULT_ESTIMATOR, EstimatorName, get_estimator
 from vpo_lightning.core.format_check import FormatCheck
-from vpo_lightning.core.protocol import (
-    ChainProtocol,
-    Estimator,
-    build_rollout_tensors,
-    derive_seed,
-    engine_logprob_tensor,
-)
+from vpo_lightning.core.protocol import ChainProtocol, build_rollout_tensors, derive_seed, engine_logprob_tensor
 from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
 from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
 from vpo_lightning.generation.models import prompt_token_ids
@@ -42,7 +37,7 @@ from vpo_lightning.training.checkpointing import AdapterCheckpoint, pause_point
 from vpo_lightning.training.progress import action_needed, show_phase
 from vpo_lightning.training.records import template_tools
 
-__all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
+__all__ = ["Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +56,8 @@ class RolloutCallback(L.Callback):
 
     Args:
         rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
-        estimator: advantage estimator: vpo, or a baseline (grpo, multi_rlvr, random_weight_grpo,
-            goal_conditioned_grpo, max_at_k, gdpo). Chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        estimator: advantage estimator: VPO (the default) or a baseline, a name of the estimator table
+            (:data:`~vpo_lightning.core.estimators.ESTIMATORS`). Chain methods ask for m answers per chain.
         num_candidates: m, answers per chain for chain methods (single-answer methods use 1).
         group_size: G, chains sampled per prompt.
         num_weights: K, Dirichlet weight vectors per prompt group for the VPO set reward.
@@ -92,7 +87,7 @@ class RolloutCallback(L.Callback):
     def __init__(
         self,
         rewards: list[str],
-        estimator: Estimator = "vpo",
+        estimator: EstimatorName = DEFAULT_ESTIMATOR,
         num_candidates: int = 3,
         group_size: int = 8,
         num_weights: int = 100,
@@ -242,11 +237,12 @@ class RolloutCallback(L.Callback):
 
     # ---- the rollout itself -------------------------------------------------------------------------------------
     def _scalar_view(self, rewards: Tensor) -> Tensor:
-        """For the scalar baselines (grpo, max_at_k) of a task whose f is a weighted mean (rewards registered with
-        ``f_weights``, e.g. MuSiQue): ``[B, G, m, D] -> [B, G, m, 1]`` holding f, whose mean over the one dimension
-        the estimator takes is f itself. Other estimators and plain-mean tasks get ``rewards`` unchanged."""
+        """For the scalar baselines (``scalar_view`` in the estimator table) of a task whose f is a weighted mean
+        (rewards registered with ``f_weights``, e.g. MuSiQue): ``[B, G, m, D] -> [B, G, m, 1]`` holding f, whose mean
+        over the one dimension the estimator takes is f itself. Other estimators and plain-mean tasks get
+        ``rewards`` unchanged."""
         w = torch.tensor(self.reward_vector.f_weights, dtype=rewards.dtype)  # [D]
-        if self.estimator not in ("grpo", "max_at_k") or not bool((w != w[0]).any()):
+        if not self.protocol.method.scalar_view or not bool((w != w[0]).any()):
             return rewards
         return (rewards @ (w / w.sum())).clamp(0.0, 1.0).unsqueeze(-1)  # [B, G, m, 1]
 
@@ -316,18 +312,17 @@ class RolloutCallback(L.Callback):
                     completion_ids: list[list[int]]) -> Tensor:
         """The estimator on ``rewards [B, G, m, D]``: with each record's real dimensions (per-row D), max@k's k,
         and GDPO's per-rollout token counts (it whitens token-weighted). ``[B, G]``."""
-        extra: dict[str, Any] = {}
+        method = self.protocol.method
+        extra = method.extra_kwargs({
+            "k": lambda: self.max_at_k_k,
+            "vector_repeats": lambda: self.protocol.vector_repeats,
+            "token_counts": lambda: torch.tensor([len(c) for c in completion_ids],
+                                                 dtype=torch.float32).view(mask.shape[:2]),  # [B, G]
+        })
         if self.protocol.reward_vector.variable_dims:
             extra["dim_mask"] = self.protocol.dim_mask(records)  # [B, D]
-        if self.estimator == "max_at_k":
-            extra["k"] = self.max_at_k_k
-        if self.estimator == "multi_rlvr":
-            extra["vector_repeats"] = self.protocol.vector_repeats
-        if self.estimator == "gdpo":
-            extra["token_counts"] = torch.tensor([len(c) for c in completion_ids],
-                                                 dtype=torch.float32).view(mask.shape[:2])  # [B, G]
-        return ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
-                                          num_weights=self.num_weights, alpha=self.alpha, **extra)
+        return method(self._scalar_view(rewards), mask, weights=weights, num_weights=self.num_weights,
+                      alpha=self.alpha, **extra)
 
     def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
                  gen: Generation, gen_time: float, dim_mask: Tensor | None = None) -> dict[str, float]:
@@ -338,7 +333,7 @@ class RolloutCallback(L.Callback):
         real = torch.ones(B, 1, 1, D) if dim_mask is None else dim_mask[:, None, None, :].float()  # [B, 1, 1, D]
         f = (rewards * real).sum(-1) / real.sum(-1)  # [B, G, m] mean over the real dimensions
         out["reward/best_in_chain"] = float(f.max(-1).values.mean())
-        if weights is not None and self.estimator == "vpo":
+        if weights is not None and self.protocol.method.set_reward:
             out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())
         out["adv/mean"], out["adv/std"] = float(adv.mean()), float(adv.std(correction=0))
         out["adv/abs_max"] = float(adv.abs().max())
@@ -389,8 +384,7 @@ class RolloutCallback(L.Callback):
 
 
 def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None = None) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
+    method = get_estimator(estimator)  # raises, naming the known ones, for an unknown name
     if m < 1:
         raise ValueError(f"rollout.num_candidates (m) must be >= 1, got {m}")
     if group_size < 2:
@@ -404,7 +398,7 @@ def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: 
         raise ValueError(f"rollout.alpha (Dirichlet concentration) must be > 0, got {alpha}")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"rollout.max_at_k_k must be null or a positive int, got {k!r}")
-    if estimator == "max_at_k" and (k or max_at_k_default(group_size)) >= group_size:
+    if "k" in method.extras and (k or max_at_k_default(group_size)) >= group_size:
         shown = f"rollout.max_at_k_k={k}" if k else f"the default k = max(2, G // 2) = {max_at_k_default(group_size)}"
         raise ValueError(f"max_at_k needs k < rollout.group_size, got {shown} with group_size={group_size}: at "
                          "k >= G every rollout's contribution is the group maximum and all advantages are 0. Raise "

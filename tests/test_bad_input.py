@@ -153,7 +153,7 @@ def test_more_out_of_range_values():
     """The same checks without a CLI round trip each (they run in the constructors the CLI calls)."""
     from vpo_lightning.generation.engines import SamplingSettings
     from vpo_lightning.training.datamodule import PromptDataModule
-    from vpo_lightning.training.rollout import _validate
+    from vpo_lightning.training.sampler import validate_settings as _validate
 
     for kwargs, match in (({"alpha": -1.0}, "alpha"), ({"alpha": float("nan")}, "alpha"), ({"m": -3}, "num_candidates"),
                           ({"group_size": 0}, "group_size"), ({"num_weights": -1}, "num_weights")):

@@ -39,6 +39,8 @@ ALLOWED_UPWARD = {
 }
 HEAVY = {"core": ("lightning", "transformers", "peft", "vllm"), "tasks": ("lightning", "transformers", "peft", "vllm"),
          "generation": ("lightning",)}
+# modules of the training layer that are the RL step without Lightning: `vpo eval` and `vpo search` sample with them
+LIGHTNING_FREE = ("vpo_lightning.training.sampler", "vpo_lightning.training.records")
 
 
 def module_files() -> dict[str, Path]:
@@ -91,7 +93,7 @@ def test_imports_go_down_the_layers():
         where = f"{path.relative_to(REPO)}"
         for line, name in imports_of(module, path):
             top = name.split(".")[0]
-            if top in HEAVY.get(layer_of(module), ()):
+            if top in HEAVY.get(layer_of(module), ()) or (module in LIGHTNING_FREE and top == "lightning"):
                 problems.append(f"{where}:{line} ({layer_of(module)}) imports {name}")
             if top != "vpo_lightning" or name == "vpo_lightning":
                 continue
@@ -140,6 +142,53 @@ print("ok", tuple(scores.rewards.shape), tuple(adv.shape), loaded)
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok (2, 2, 4) (1, 2) []", proc.stdout
+
+
+def test_the_sampler_runs_without_lightning():
+    """The RL step's sampler (and what it imports) loads with Lightning blocked, and samples, scores and computes
+    advantages for one prompt with a scripted engine."""
+    code = f"""
+import sys
+from types import SimpleNamespace
+BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning")
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {{name}}")
+
+sys.meta_path.insert(0, Block())
+import importlib
+for name in {LIGHTNING_FREE!r}:
+    importlib.import_module(name)
+from vpo_lightning.core.types import Generation
+from vpo_lightning.generation.engines import SamplingSettings
+from vpo_lightning.tasks.maze import generate_maze, make_record
+from vpo_lightning.training.sampler import Sampler, chain_protocol
+
+class Engine:
+    def generate(self, module, prompts, group_size, sampling, seeds=None):
+        texts = ["<route_1>R R</route_1><route_2>D</route_2>", "<route_1>D</route_1>"] * len(prompts)
+        return Generation([[1, 2]] * len(texts), texts, 2 * len(texts))
+
+class Tokenizer:
+    pad_token_id = 0
+    def apply_chat_template(self, messages, **kwargs):
+        return "prompt"
+    def __call__(self, text, add_special_tokens=False):
+        return {{"input_ids": [1, 2, 3]}}
+
+protocol = chain_protocol(["maze"], "vpo", 2, 2, 4, 1.0, "route", 0)
+sampler = Sampler(protocol, Engine(), SamplingSettings(), group_size=2)
+rnd = sampler.sample(SimpleNamespace(tokenizer=Tokenizer()), [make_record(generate_maze(0), "test", 0)], [0], step=0)
+ro = sampler.rollout(rnd, pad_id=0)
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
+print("ok", tuple(rnd.rewards.shape), tuple(ro.advantages.shape), loaded)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok (1, 2, 2, 4) (2,) []", proc.stdout
 
 
 # ---- docs/ARCHITECTURE.md ----------------------------------------------------------------------------------------

@@ -28,10 +28,11 @@ import pytest
 import torch
 from conftest import ScriptedEngine, build_tiny_module
 
+from vpo_lightning.core.protocol import build_rollout_tensors
 from vpo_lightning.core.types import Generation, Rollout
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.module import VPOModule
-from vpo_lightning.training.rollout import RolloutCallback, build_rollout_tensors
+from vpo_lightning.training.rollout import RolloutCallback
 
 REPO = Path(__file__).resolve().parents[1]
 # Per-step train/loss, reward/all/mean, kl and grad_norm of a resumed run vs an uninterrupted one may differ by at most

@@ -147,9 +147,31 @@ class RunConfig:
     def rollout(self) -> Any:
         """The :class:`~vpo_lightning.training.rollout.RolloutCallback`: chain protocol, reward vector, sampling,
         engine."""
+        self._require_rewards()
+        return self.instantiate("rollout")
+
+    def protocol(self) -> Any:
+        """The run's :class:`~vpo_lightning.core.protocol.ChainProtocol`, built from the parsed ``rollout:`` values
+        as the rollout callback builds it (:func:`~vpo_lightning.training.sampler.chain_protocol`), without the
+        callback or its engine."""
+        import inspect
+
+        from vpo_lightning.training.sampler import chain_protocol
+
+        self._require_rewards()
+        names = inspect.signature(chain_protocol).parameters
+        return chain_protocol(**{name: self.value(f"rollout.{name}") for name in names})
+
+    def sampling(self) -> Any:
+        """The training :class:`~vpo_lightning.generation.engines.SamplingSettings` (``rollout.sampling``)."""
+        from vpo_lightning.generation.engines import SamplingSettings
+
+        node = self.value("rollout.sampling")
+        return node if isinstance(node, SamplingSettings) else SamplingSettings(**node.as_dict())
+
+    def _require_rewards(self) -> None:
         if self.value("rollout.rewards") is None:
             raise ValueError(f"{self.source}: rollout.rewards is required (the reward names, e.g. [maze])")
-        return self.instantiate("rollout")
 
     def model_settings(self) -> Any:
         """The policy's :class:`~vpo_lightning.generation.models.ModelSettings` (``model.model``), with the values

@@ -191,6 +191,47 @@ print("ok", tuple(rnd.rewards.shape), tuple(ro.advantages.shape), loaded)
     assert proc.stdout.strip() == "ok (1, 2, 2, 4) (2,) []", proc.stdout
 
 
+# ---- task knowledge stays in tasks/ ------------------------------------------------------------------------------
+TASKS = sorted(p.name for p in (PACKAGE / "tasks").iterdir() if (p / "__init__.py").is_file())
+# String literals equal to a task's name that mean something else, per file: how many, and why.
+OTHER_TASK_MEANINGS = {("vpo_lightning/serve/openai_api.py", "code"): (1, "the `code` field of an OpenAI error")}
+
+
+def test_task_names_appear_only_under_tasks():
+    """A task's name is written under vpo_lightning/tasks/ only: what the rest needs of a task (its rewards, its
+    demonstration builders, whether its prompt lists the tools) it finds through the task's registrations."""
+    assert {"maze", "tooluse"} <= set(TASKS)
+    problems = []
+    for module, path in MODULES.items():
+        rel = str(path.relative_to(REPO))
+        if rel.startswith("vpo_lightning/tasks/"):
+            continue
+        found = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TASKS]
+        for value in sorted({v for _, v in found}):
+            lines = [n for n, v in found if v == value]
+            if len(lines) != OTHER_TASK_MEANINGS.get((rel, value), (0, ""))[0]:
+                problems.append(f"{rel}:{','.join(map(str, lines))} writes the task name {value!r}")
+    assert not problems, "task knowledge outside vpo_lightning/tasks/ (register it in the task's package):\n" + \
+        "\n".join(problems)
+
+
+def test_no_module_tells_our_classes_apart_by_name():
+    """``type(x).__name__ == "SFTModule"`` couples a lower layer to a class it may not import: ask the object. (A
+    third-party class told by name, so that its optional package is not imported, is not this.)"""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in MODULES.values()}
+    ours = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    problems = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                    and node.left.attr == "__name__" and isinstance(node.left.value, ast.Call)
+                    and getattr(node.left.value.func, "id", None) == "type"
+                    and any(isinstance(c, ast.Constant) and c.value in ours for c in node.comparators)):
+                problems.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not problems, "class-name checks: " + ", ".join(problems)
+
+
 # ---- docs/ARCHITECTURE.md ----------------------------------------------------------------------------------------
 ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 ENTRY_PATH = re.compile(r"`(vpo_lightning/[^`\s]*)`")

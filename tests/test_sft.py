@@ -297,8 +297,8 @@ def _maze_demo_routes(demo: dict) -> list[str | None]:
 
 
 def _shortest_moves(record: dict) -> int:
-    from vpo_lightning.sft.demos import distances_to_exit
     from vpo_lightning.tasks.maze import Maze
+    from vpo_lightning.tasks.maze.demos import distances_to_exit
 
     return distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
 

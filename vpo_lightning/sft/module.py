@@ -74,6 +74,7 @@ class SFTModule(PolicyModule):
     """
 
     needs_reference = False  # no KL term: full fine-tuning loads no second copy
+    card_method = "supervised (vpo sft)"  # what the adapter's model card says trained it
 
     def __init__(
         self,

@@ -197,6 +197,12 @@ class RolloutCallback(L.Callback):
         if self.save_completions:
             self._save_completions(trainer, batch)
 
+    def card_facts(self) -> dict[str, Any]:
+        """What the adapter's model card reports of this run's rollouts
+        (:func:`vpo_lightning.generation.adapters.run_facts`)."""
+        return {"method": "RL (vpo fit)", "estimator": self.estimator, "reward_dims": list(self.protocol.dim_names),
+                "m": self.m, "G": self.group_size, "tokens_trained": f"{self.generated_tokens} generated"}
+
     @property
     def progress_note(self) -> str | None:
         """What the progress bar shows while the run has no signal (no parsed answer, no reward spread)."""

@@ -170,3 +170,24 @@ def test_a_renamed_engine_key_is_read_in_saved_configs_and_named_for_vpo_fit(tmp
     found = config_check.find_unknown_keys(fit_parser(), ["--config", str(path)])
     assert [(u.key, u.suggestions) for u in found] == [
         ("rollout.engine.init_args.pack_weights", ("rollout.engine.init_args.prepack_weights",))]
+
+
+def test_a_moved_class_path_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_path, caplog, capsys):
+    """A run saved before the package's layers names `vpo_lightning.engines.TransformersEngine` in its config.yaml:
+    the commands read it under its new path; `vpo fit` names the new path instead of an import error."""
+    from vpo_lightning.launcher import main
+
+    old = {"rollout": {"rewards": ["maze"], "engine": {"class_path": "vpo_lightning.engines.TransformersEngine",
+                                                       "init_args": {"max_batch_size": 3}}},
+           "trainer": {"callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"}]}}
+    run = resolve(old, "old/config.yaml")
+    assert run.engine_class() is TransformersEngine and run.engine_args()["max_batch_size"] == 3
+    assert "class_path vpo_lightning.engines.TransformersEngine is now vpo_lightning.generation." in caplog.text
+    assert old["trainer"]["callbacks"][0]["class_path"] == "vpo_lightning.progress.StepProgressBar"  # not mutated
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  rewards: [maze]\n  engine:\n"
+                    "    class_path: vpo_lightning.engines.TransformersEngine\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert "class_path vpo_lightning.engines.TransformersEngine moved: use vpo_lightning.generation.engines." in err

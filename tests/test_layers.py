@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import vpo_lightning
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "vpo_lightning"
 LAYERS = ("core", "tasks", "generation", "training", "commands", "entry")
@@ -30,7 +28,7 @@ PACKAGE_LAYERS = {
     "generation": "generation",
     "training": "training", "sft": "training",
     "commands": "commands", "serve": "commands",
-    "__main__": "entry", "launcher": "entry", "cli": "entry", "api": "entry",
+    "__main__": "entry", "launcher": "entry", "api": "entry",
 }
 # upward imports by design, each with its reason
 ALLOWED_UPWARD = {
@@ -97,10 +95,8 @@ def test_imports_go_down_the_layers():
                 problems.append(f"{where}:{line} ({layer_of(module)}) imports {name}")
             if top != "vpo_lightning" or name == "vpo_lightning":
                 continue
-            second = name.split(".")[1]
-            if second in vpo_lightning.MOVED:
-                problems.append(f"{where}:{line} imports the old path {name}: use vpo_lightning."
-                                f"{vpo_lightning.MOVED[second]}")
+            if name.split(".")[1] not in PACKAGE_LAYERS:
+                problems.append(f"{where}:{line} imports {name}, which is no module of the package")
                 continue
             target = layer_of(name)
             owner = ".".join(module.split(".")[:2])
@@ -304,8 +300,6 @@ def dotted_problem(ref: str) -> str | None:
     """None when ``ref`` is a module of the package, or a name defined at the top of one (``module.Class``; a
     method after it is not checked); else what is wrong."""
     parts = ref.split(".")
-    if len(parts) > 1 and parts[1] in vpo_lightning.MOVED:
-        return f"old path: vpo_lightning.{vpo_lightning.MOVED[parts[1]]}"
     for cut in range(len(parts), 0, -1):
         module = ".".join(parts[:cut])
         if module in MODULES:
@@ -334,31 +328,24 @@ def test_module_paths_in_docs_exist(doc):
     assert not problems, f"{doc.relative_to(REPO)} names module paths that do not exist:\n" + "\n".join(problems)
 
 
-# ---- the old module paths --------------------------------------------------------------------------------------
-def test_old_module_paths_are_the_moved_modules():
-    """VPO-SPEC section 3's ``vpo_lightning.advantages``, class paths in older run configs and pickled checkpoints
-    name the modules that used to sit at the top of the package: each old path is the moved module itself."""
+# ---- the old module paths ---------------------------------------------------------------------------------------
+def test_old_module_paths_are_gone_and_saved_class_paths_are_renamed():
+    """The modules that sat at the top of the package before the layers (``vpo_lightning.engines``) are not
+    importable any more; the class paths that run configs saved before then hold are renamed to classes that
+    exist (training/config.py, beside the renamed keys)."""
     import importlib
-    import io
-    import pickle
 
-    for old, new in vpo_lightning.MOVED.items():
-        assert importlib.import_module(f"vpo_lightning.{old}") is importlib.import_module(f"vpo_lightning.{new}"), old
-    from vpo_lightning.core import advantages
-    from vpo_lightning.generation.models import ModelSettings
+    from vpo_lightning.training.config import RENAMED_CLASS_PATHS, import_class
 
-    spec_api = ("sample_weights", "set_rewards", "vpo_advantages", "group_normalize")  # VPO-SPEC section 3
-    namespace: dict = {}
-    exec(f"from vpo_lightning.advantages import {', '.join(spec_api)}", namespace)
-    assert all(namespace[name] is getattr(advantages, name) for name in spec_api)
-
-    unpickler = pickle.Unpickler(io.BytesIO(b""))
-    assert unpickler.find_class("vpo_lightning.models", "ModelSettings") is ModelSettings
-    assert importlib.import_module("vpo_lightning.core.advantages").__spec__.name == "vpo_lightning.core.advantages"
+    for old in ("advantages", "engines", "models", "rollout", "progress", "evaluate"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"vpo_lightning.{old}")
+    for old, new in RENAMED_CLASS_PATHS.items():
+        assert old.split(".")[1] not in PACKAGE_LAYERS and isinstance(import_class(new), type), old
 
 
-def test_python_m_vpo_lightning_cli_is_the_vpo_command():
-    proc = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "--help"], cwd=REPO, capture_output=True,
+def test_python_m_vpo_lightning_is_the_vpo_command():
+    proc = subprocess.run([sys.executable, "-m", "vpo_lightning", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: vpo COMMAND") and "\n  replicates " in proc.stdout

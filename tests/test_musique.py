@@ -21,7 +21,7 @@ from vpo_lightning.tasks.musique import (
     token_f1,
 )
 from vpo_lightning.tasks.public_data import DataUnavailable
-from vpo_lightning.training.datamodule import read_jsonl
+from vpo_lightning.training.records import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "musique"
 GT2 = {"ground_truth": {"answer": "Brightwater College", "answer_aliases": [], "support": [4, 6]}}

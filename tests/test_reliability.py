@@ -295,7 +295,7 @@ def _vpo(cwd: Path, args: list[str], pause: str = "", timeout: float = 420.0) ->
     log = (cwd / "vpo.log").open("a")
     log.write(f"\n===== {pause or 'to the end'}: {' '.join(args)}\n")
     log.flush()
-    proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=cwd, env=_env(cwd, pause),
+    proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning", *args], cwd=cwd, env=_env(cwd, pause),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
@@ -469,7 +469,7 @@ def _sigterm_at(cwd: Path, args: list[str], pause: str) -> str:
     with (cwd / "vpo.log").open("a") as log:
         log.write(f"\n===== SIGTERM at {pause}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=cwd, env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning", *args], cwd=cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300

@@ -81,12 +81,12 @@ class Sampler:
         """Sample, score and compute advantages for ``records``; with dynamic sampling on a training step
         (step >= 0), refill flat groups with prompts from ``pool`` (the training records). The Round holds the
         groups kept; ``extra["dynamic"]`` the refill's statistics when it ran."""
-        rnd = self.round(module, records, indices, step, rank)
+        rnd = self.sample_round(module, records, indices, step, rank)
         if not (self.dynamic_sampling.enabled and step >= 0 and pool):
             return rnd
 
         def draw(idx: list[int], r: int) -> Round:
-            return self.round(module, [pool[i] for i in idx], idx, step, rank, r)
+            return self.sample_round(module, [pool[i] for i in idx], idx, step, rank, r)
 
         rnd, dyn = fill_batch(rnd, draw, len(pool), len(records), self.dynamic_sampling.max_extra_rounds,
                               derive_seed(self.protocol.seed, "refill", step, rank))
@@ -95,8 +95,8 @@ class Sampler:
         rnd.extra["dynamic"] = dyn
         return rnd
 
-    def round(self, module: Any, records: list[dict], indices: list[int], step: int, rank: int = 0,
-              round_: int = 0) -> Round:
+    def sample_round(self, module: Any, records: list[dict], indices: list[int], step: int, rank: int = 0,
+                     round_: int = 0) -> Round:
         """One generation round: G chains for each of ``records``, scored, with their advantages."""
         B, G, protocol = len(records), self.group_size, self.protocol
         weights = protocol.step_weights(indices, step, records)  # 1. [B, K, D] or None

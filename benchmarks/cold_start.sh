@@ -73,7 +73,7 @@ if has_part sft; then
     echo "=== reuse the cold start $ADAPTER"
   else
     echo "=== sft: $SFT_CONFIG -> $ADAPTER"
-    timed sft "$(basename "$(dirname "$(dirname "$ADAPTER")")")" "$PY" -m vpo_lightning.cli sft --config "$SFT_CONFIG" "${SFT_EXTRA[@]}"
+    timed sft "$(basename "$(dirname "$(dirname "$ADAPTER")")")" "$PY" -m vpo_lightning sft --config "$SFT_CONFIG" "${SFT_EXTRA[@]}"
   fi
 fi
 
@@ -90,7 +90,7 @@ if has_part eval; then
       weights=()
       [[ $who == sft ]] && weights=(--set "model.model.adapter=$ADAPTER")
       echo "=== eval $who $fmt: $config, $PROMPTS validation prompts x $n answers -> $dir"
-      timed eval "$who-$fmt" "$PY" -m vpo_lightning.cli eval --config "$config" --split val --n "$n" \
+      timed eval "$who-$fmt" "$PY" -m vpo_lightning eval --config "$config" --split val --n "$n" \
         --max_prompts "$PROMPTS" --label "$who $fmt" --out "$dir" --overwrite "${weights[@]}" "${EVAL_EXTRA[@]}"
     done
   done
@@ -106,7 +106,7 @@ if has_part rl; then
   [[ -f "$ADAPTER/adapter_config.json" ]] || { echo "$ADAPTER: no adapter; run the sft part first" >&2; exit 2; }
   run="$PREFIX-from-sft"
   echo "=== rl: $CHAIN_CONFIG from $ADAPTER, $RL_STEPS steps -> checkpoints/$run"
-  timed rl "$run" "$PY" -m vpo_lightning.cli fit --config "$CHAIN_CONFIG" --run_name="$run" \
+  timed rl "$run" "$PY" -m vpo_lightning fit --config "$CHAIN_CONFIG" --run_name="$run" \
     --model.model.adapter="$ADAPTER" --trainer.max_steps="$RL_STEPS" --overwrite "${FIT_EXTRA[@]}"
   "$PY" benchmarks/run_summary.py "checkpoints/$run" | tee "$OUT/rl_summary.md"
 fi

@@ -328,7 +328,7 @@ def fit_step(c: Check, name: str, args: list[str], steps: int, timeout: float, c
     cwd = c.work / "runs"
     cwd.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(cwd / "checkpoints" / name, ignore_errors=True)
-    cmd = [sys.executable, "-m", "vpo_lightning.cli", "fit", "--config", str(config), f"--run_name={name}",
+    cmd = [sys.executable, "-m", "vpo_lightning", "fit", "--config", str(config), f"--run_name={name}",
            f"--trainer.max_steps={steps}", *args]
     if config == DEBUG:
         cmd += [f"--data.train_files=[{DATA}]", "--data.val_files=null", "--trainer.limit_val_batches=0",

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from vpo_lightning.commands.evaluate import chain_tensors, read_samples
-from vpo_lightning.core.advantages import ESTIMATORS
 from vpo_lightning.core.dynamic_sampling import groups_with_signal
+from vpo_lightning.core.estimators import ESTIMATORS
 
 
 def summarise(out: Path, group: int, estimator: str | None, seed: int = 0) -> dict:

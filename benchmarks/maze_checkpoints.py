@@ -95,7 +95,7 @@ def evaluate(args: argparse.Namespace, step: int, name: str, data: list[str], pr
     if not (out / "eval.json").exists():
         source = (["--config", str(args.config), "--set", f"model.model.adapter={args.coldstart}"] if step == 0 else
                   ["--config", str(args.config), "--adapter", str(args.run / "adapters" / f"step={step}")])
-        cmd = [sys.executable, "-m", "vpo_lightning.cli", "eval", *source, *data, "--n", str(args.n),
+        cmd = [sys.executable, "-m", "vpo_lightning", "eval", *source, *data, "--n", str(args.n),
                "--max_prompts", str(prompts), "--seed", str(seed), "--prompt_seed", str(args.prompt_seed),
                "--set", f"rollout.eval_temperature={temperature}",
                "--set", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",

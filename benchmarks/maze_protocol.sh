@@ -37,7 +37,7 @@ cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
 fi
-vpo() { "$PY" -m vpo_lightning.cli "$@"; }
+vpo() { "$PY" -m vpo_lightning "$@"; }
 RESULTS_REPO=${RESULTS_REPO:-.}
 TASK=${TASK:-maze}
 case "$TASK" in

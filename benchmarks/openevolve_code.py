@@ -112,7 +112,7 @@ class ServeProcess:
 
     def __init__(self, config: Path, adapter: str | None, adapter_name: str, log_path: Path, max_tokens: int,
                  startup_timeout: float = 900.0, extra: list[str] | None = None) -> None:
-        self.cmd = [sys.executable, "-m", "vpo_lightning.cli", "serve", "--config", str(config), "--host",
+        self.cmd = [sys.executable, "-m", "vpo_lightning", "serve", "--config", str(config), "--host",
                     "127.0.0.1", "--port", "0", "--max-tokens-limit", str(max(max_tokens, 64)),
                     "--max-concurrency", "16", "--max-n", "16", "--request-timeout", "3600", *(extra or [])]
         if adapter:

@@ -68,7 +68,7 @@ if (( N % 3 )); then echo "N=$N: use a multiple of m = 3" >&2; exit 2; fi
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
 fi
-vpo() { "$PY" -m vpo_lightning.cli "$@"; }
+vpo() { "$PY" -m vpo_lightning "$@"; }
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 FIT_SET=() EVAL_SET=()

@@ -65,7 +65,7 @@ done
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
 fi
-vpo() { "$PY" -m vpo_lightning.cli "$@"; }
+vpo() { "$PY" -m vpo_lightning "$@"; }
 
 FIT_SET=() EVAL_SET=()
 if [[ -n "$MAX_NEW_TOKENS" ]]; then

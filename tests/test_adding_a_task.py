@@ -14,7 +14,7 @@ import vpo_lightning.tasks as tasks_pkg
 from vpo_lightning import rewards as registry
 from vpo_lightning.commands import runs
 from vpo_lightning.core.protocol import ChainProtocol
-from vpo_lightning.training.datamodule import read_jsonl
+from vpo_lightning.training.records import read_jsonl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ADDING_A_TASK.md"
 BLOCK = re.compile(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", re.DOTALL)

@@ -10,9 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vpo_lightning.core.advantages import (
-    CHAIN_ESTIMATORS,
-    ESTIMATORS,
-    WEIGHTED_ESTIMATORS,
     gdpo,
     group_normalize,
     grpo,
@@ -25,6 +22,7 @@ from vpo_lightning.core.advantages import (
     set_rewards,
     vpo_advantages,
 )
+from vpo_lightning.core.estimators import CHAIN_ESTIMATORS, ESTIMATORS, WEIGHTED_ESTIMATORS
 
 ATOL = 1e-4  # eps = 1e-6 in the denominators shifts hand-computed advantages by ~1e-6
 

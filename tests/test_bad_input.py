@@ -153,7 +153,7 @@ def test_more_out_of_range_values():
     """The same checks without a CLI round trip each (they run in the constructors the CLI calls)."""
     from vpo_lightning.generation.engines import SamplingSettings
     from vpo_lightning.training.datamodule import PromptDataModule
-    from vpo_lightning.training.rollout import _validate
+    from vpo_lightning.training.sampler import validate_settings as _validate
 
     for kwargs, match in (({"alpha": -1.0}, "alpha"), ({"alpha": float("nan")}, "alpha"), ({"m": -3}, "num_candidates"),
                           ({"group_size": 0}, "group_size"), ({"num_weights": -1}, "num_weights")):
@@ -206,7 +206,7 @@ def test_bad_data_files_name_the_file_and_line(content, expected, tmp_path, caps
     (GOOD + "\x00\n", "train.jsonl:2: not valid JSON"),
 ])
 def test_more_bad_records(content, expected, tmp_path):
-    from vpo_lightning.training.datamodule import read_jsonl
+    from vpo_lightning.training.records import read_jsonl
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
@@ -216,7 +216,7 @@ def test_more_bad_records(content, expected, tmp_path):
 
 
 def test_not_utf8_names_the_file(tmp_path):
-    from vpo_lightning.training.datamodule import read_jsonl
+    from vpo_lightning.training.records import read_jsonl
 
     path = tmp_path / "train.jsonl"
     path.write_bytes(GOOD.encode() + b'{"messages": "\xff\xfe"}\n')

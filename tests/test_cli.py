@@ -87,7 +87,7 @@ def _our_arguments() -> list[str]:
 
 def test_fit_help_documents_every_argument():
     """Every option of this app's classes is in `vpo fit --help` with a description, not only its type/default."""
-    out = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "fit", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "vpo_lightning", "fit", "--help"], capture_output=True,
                          text=True, timeout=120).stdout
     blocks = _help_blocks(out)
     expected = _our_arguments()

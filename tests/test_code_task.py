@@ -181,7 +181,8 @@ def test_a_three_test_record_has_d_3_and_unequal_weights_score_as_the_spec_says(
     w0 + w2 (VPO-SPEC section 3), where the old rule (tests repeated to 16 dims) gave test 0 weight 6/16."""
     import torch
 
-    from vpo_lightning.core.advantages import ESTIMATORS, restrict_weights, set_rewards
+    from vpo_lightning.core.advantages import restrict_weights, set_rewards
+    from vpo_lightning.core.estimators import ESTIMATORS
     from vpo_lightning.rewards import RewardVector
 
     record = make_record(problems["HumanEval/2"], "test")

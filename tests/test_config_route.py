@@ -21,6 +21,7 @@ from vpo_lightning.training.config import get, resolve
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
+from vpo_lightning.training.sampler import Sampler
 
 # A config that leaves every rollout knob but the rewards to the defaults.
 BARE = """\
@@ -41,13 +42,13 @@ def _fit(path: Path) -> VPOCLI:
                   parser_kwargs={"parser_mode": "omegaconf", "default_env": False})
 
 
-def _resolved_by_fit_and_eval(tmp_path: Path, monkeypatch) -> tuple[RolloutCallback, evaluate.Sampler, VPOCLI]:
+def _resolved_by_fit_and_eval(tmp_path: Path, monkeypatch) -> tuple[RolloutCallback, Sampler, VPOCLI]:
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "bare.yaml"
     path.write_text(BARE)
     cli = _fit(path)
     fit = next(c for c in cli.trainer.callbacks if isinstance(c, RolloutCallback))
-    return fit, evaluate.Sampler.from_config(runs.load_config(path, require=("rollout",))), cli
+    return fit, evaluate.eval_sampler(runs.load_config(path, require=("rollout",))), cli
 
 
 def _knobs(protocol) -> tuple:
@@ -124,7 +125,7 @@ def test_bad_values_are_refused_as_vpo_fit_refuses_them(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"c\.yaml: .*rollout\.num_candidates"):
         resolve({"rollout": {"rewards": ["maze"], "num_candidates": "three"}}, "c.yaml")
     with pytest.raises(ValueError, match="rollout.estimator"):
-        evaluate.Sampler.from_config({"rollout": {"rewards": ["maze"]}}, estimator="vpoo")
+        evaluate.eval_sampler({"rollout": {"rewards": ["maze"]}}, estimator="vpoo")
     with pytest.raises(ValueError, match="c.yaml: rollout.rewards is required"):
         resolve({"rollout": {}}, "c.yaml").rollout()
     run = resolve({"rollout": {"rewards": ["maze"], "num_candidate": 4}}, "c.yaml")  # misspelt: ignored, named
@@ -169,3 +170,24 @@ def test_a_renamed_engine_key_is_read_in_saved_configs_and_named_for_vpo_fit(tmp
     found = config_check.find_unknown_keys(fit_parser(), ["--config", str(path)])
     assert [(u.key, u.suggestions) for u in found] == [
         ("rollout.engine.init_args.pack_weights", ("rollout.engine.init_args.prepack_weights",))]
+
+
+def test_a_moved_class_path_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_path, caplog, capsys):
+    """A run saved before the package's layers names `vpo_lightning.engines.TransformersEngine` in its config.yaml:
+    the commands read it under its new path; `vpo fit` names the new path instead of an import error."""
+    from vpo_lightning.launcher import main
+
+    old = {"rollout": {"rewards": ["maze"], "engine": {"class_path": "vpo_lightning.engines.TransformersEngine",
+                                                       "init_args": {"max_batch_size": 3}}},
+           "trainer": {"callbacks": [{"class_path": "vpo_lightning.progress.StepProgressBar"}]}}
+    run = resolve(old, "old/config.yaml")
+    assert run.engine_class() is TransformersEngine and run.engine_args()["max_batch_size"] == 3
+    assert "class_path vpo_lightning.engines.TransformersEngine is now vpo_lightning.generation." in caplog.text
+    assert old["trainer"]["callbacks"][0]["class_path"] == "vpo_lightning.progress.StepProgressBar"  # not mutated
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  rewards: [maze]\n  engine:\n"
+                    "    class_path: vpo_lightning.engines.TransformersEngine\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert "class_path vpo_lightning.engines.TransformersEngine moved: use vpo_lightning.generation.engines." in err

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from vpo_lightning.training.datamodule import PromptDataModule, PromptStream, read_jsonl
+from vpo_lightning.training.datamodule import PromptDataModule, PromptStream
+from vpo_lightning.training.records import read_jsonl
 
 
 def _write(path, lines):

@@ -23,7 +23,7 @@ def _command(cwd: Path, run: str, *extra: str) -> list[str]:
     # The random tiny model never writes tagged answers, so real rewards would all be 0 (no update to compare): the
     # tagging engine and text rewards of tests/test_reliability.py give non-zero advantages from its own samples.
     (cwd / "ddp_helpers.py").write_text(HELPERS)
-    return [sys.executable, "-m", "vpo_lightning.cli", "fit", "--config", str(REPO / "configs/debug.yaml"),
+    return [sys.executable, "-m", "vpo_lightning", "fit", "--config", str(REPO / "configs/debug.yaml"),
             f"--run_name={run}", f"--data.train_files=[{DATA}]", "--data.val_files=null",
             "--trainer.limit_val_batches=0", "--rollout.engine=ddp_helpers.TaggingEngine",
             "--rollout.rewards=[ddp_helpers.length,ddp_helpers.letters]", "--model.optim.lr=1e-3",

@@ -10,7 +10,7 @@ import pytest
 
 from vpo_lightning.rewards import RewardVector
 from vpo_lightning.tasks.eureqa import build, entity_match, eureqa_reward, make_record, normalize_entity, parse_entities
-from vpo_lightning.training.datamodule import read_jsonl
+from vpo_lightning.training.records import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "eureqa"
 GOLD = {"ground_truth": {"entities": ["Mira_Okafor", "Paper_Lanterns_(film)", "Studio_Meridian", "Oskar_Linde",

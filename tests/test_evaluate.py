@@ -228,8 +228,8 @@ def test_eval_prefills_each_prompt_once_per_record(script_generation):
     records (a different prompt per chain) go row by row. Completions come back in the same order either way."""
     from types import SimpleNamespace
 
-    from vpo_lightning.commands.evaluate import Sampler, generate_rows
     from vpo_lightning.core.protocol import ChainProtocol
+    from vpo_lightning.training.sampler import Sampler
 
     class Tok:  # what ScriptedEngine uses of a tokenizer
         def decode(self, ids: list[int]) -> str:
@@ -242,11 +242,11 @@ def test_eval_prefills_each_prompt_once_per_record(script_generation):
     ns = SimpleNamespace(tokenizer=Tok())
     run = Sampler(ChainProtocol(["maze"], "vpo", 3), engine, None)
     shared = [[[1, 2, 3]] * 4, [[4, 5]] * 4]  # 2 records x 4 chains, one prompt each
-    gen = generate_rows(run, ns, shared)
+    gen = run.generate_rows(ns, shared)
     assert engine.prompts[-1] == [[1, 2, 3], [4, 5]]  # each prompt passed once, as a group of 4
     assert gen.texts == [f"row {i}" for i in range(8)]
     conditioned = [[[1, 2, 3], [1, 2, 4]], [[4, 5], [4, 6]]]  # a different shown weight per chain
-    gen = generate_rows(run, ns, conditioned)
+    gen = run.generate_rows(ns, conditioned)
     assert engine.prompts[-1] == [[1, 2, 3], [1, 2, 4], [4, 5], [4, 6]]
     assert gen.texts == [f"row {i}" for i in range(4)]
 

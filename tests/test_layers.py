@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import vpo_lightning
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "vpo_lightning"
 LAYERS = ("core", "tasks", "generation", "training", "commands", "entry")
@@ -30,7 +28,7 @@ PACKAGE_LAYERS = {
     "generation": "generation",
     "training": "training", "sft": "training",
     "commands": "commands", "serve": "commands",
-    "__main__": "entry", "launcher": "entry", "cli": "entry", "api": "entry",
+    "__main__": "entry", "launcher": "entry", "api": "entry",
 }
 # upward imports by design, each with its reason
 ALLOWED_UPWARD = {
@@ -39,6 +37,8 @@ ALLOWED_UPWARD = {
 }
 HEAVY = {"core": ("lightning", "transformers", "peft", "vllm"), "tasks": ("lightning", "transformers", "peft", "vllm"),
          "generation": ("lightning",)}
+# modules of the training layer that are the RL step without Lightning: `vpo eval` and `vpo search` sample with them
+LIGHTNING_FREE = ("vpo_lightning.training.sampler", "vpo_lightning.training.records")
 
 
 def module_files() -> dict[str, Path]:
@@ -91,14 +91,12 @@ def test_imports_go_down_the_layers():
         where = f"{path.relative_to(REPO)}"
         for line, name in imports_of(module, path):
             top = name.split(".")[0]
-            if top in HEAVY.get(layer_of(module), ()):
+            if top in HEAVY.get(layer_of(module), ()) or (module in LIGHTNING_FREE and top == "lightning"):
                 problems.append(f"{where}:{line} ({layer_of(module)}) imports {name}")
             if top != "vpo_lightning" or name == "vpo_lightning":
                 continue
-            second = name.split(".")[1]
-            if second in vpo_lightning.MOVED:
-                problems.append(f"{where}:{line} imports the old path {name}: use vpo_lightning."
-                                f"{vpo_lightning.MOVED[second]}")
+            if name.split(".")[1] not in PACKAGE_LAYERS:
+                problems.append(f"{where}:{line} imports {name}, which is no module of the package")
                 continue
             target = layer_of(name)
             owner = ".".join(module.split(".")[:2])
@@ -140,6 +138,94 @@ print("ok", tuple(scores.rewards.shape), tuple(adv.shape), loaded)
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok (2, 2, 4) (1, 2) []", proc.stdout
+
+
+def test_the_sampler_runs_without_lightning():
+    """The RL step's sampler (and what it imports) loads with Lightning blocked, and samples, scores and computes
+    advantages for one prompt with a scripted engine."""
+    code = f"""
+import sys
+from types import SimpleNamespace
+BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning")
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {{name}}")
+
+sys.meta_path.insert(0, Block())
+import importlib
+for name in {LIGHTNING_FREE!r}:
+    importlib.import_module(name)
+from vpo_lightning.core.types import Generation
+from vpo_lightning.generation.engines import SamplingSettings
+from vpo_lightning.tasks.maze import generate_maze, make_record
+from vpo_lightning.training.sampler import Sampler, chain_protocol
+
+class Engine:
+    def generate(self, module, prompts, group_size, sampling, seeds=None):
+        texts = ["<route_1>R R</route_1><route_2>D</route_2>", "<route_1>D</route_1>"] * len(prompts)
+        return Generation([[1, 2]] * len(texts), texts, 2 * len(texts))
+
+class Tokenizer:
+    pad_token_id = 0
+    def apply_chat_template(self, messages, **kwargs):
+        return "prompt"
+    def __call__(self, text, add_special_tokens=False):
+        return {{"input_ids": [1, 2, 3]}}
+
+protocol = chain_protocol(["maze"], "vpo", 2, 2, 4, 1.0, "route", 0)
+sampler = Sampler(protocol, Engine(), SamplingSettings(), group_size=2)
+rnd = sampler.sample(SimpleNamespace(tokenizer=Tokenizer()), [make_record(generate_maze(0), "test", 0)], [0], step=0)
+ro = sampler.rollout(rnd, pad_id=0)
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
+print("ok", tuple(rnd.rewards.shape), tuple(ro.advantages.shape), loaded)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok (1, 2, 2, 4) (2,) []", proc.stdout
+
+
+# ---- task knowledge stays in tasks/ ------------------------------------------------------------------------------
+TASKS = sorted(p.name for p in (PACKAGE / "tasks").iterdir() if (p / "__init__.py").is_file())
+# String literals equal to a task's name that mean something else, per file: how many, and why.
+OTHER_TASK_MEANINGS = {("vpo_lightning/serve/openai_api.py", "code"): (1, "the `code` field of an OpenAI error")}
+
+
+def test_task_names_appear_only_under_tasks():
+    """A task's name is written under vpo_lightning/tasks/ only: what the rest needs of a task (its rewards, its
+    demonstration builders, whether its prompt lists the tools) it finds through the task's registrations."""
+    assert {"maze", "tooluse"} <= set(TASKS)
+    problems = []
+    for module, path in MODULES.items():
+        rel = str(path.relative_to(REPO))
+        if rel.startswith("vpo_lightning/tasks/"):
+            continue
+        found = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TASKS]
+        for value in sorted({v for _, v in found}):
+            lines = [n for n, v in found if v == value]
+            if len(lines) != OTHER_TASK_MEANINGS.get((rel, value), (0, ""))[0]:
+                problems.append(f"{rel}:{','.join(map(str, lines))} writes the task name {value!r}")
+    assert not problems, "task knowledge outside vpo_lightning/tasks/ (register it in the task's package):\n" + \
+        "\n".join(problems)
+
+
+def test_no_module_tells_our_classes_apart_by_name():
+    """``type(x).__name__ == "SFTModule"`` couples a lower layer to a class it may not import: ask the object. (A
+    third-party class told by name, so that its optional package is not imported, is not this.)"""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in MODULES.values()}
+    ours = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    problems = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                    and node.left.attr == "__name__" and isinstance(node.left.value, ast.Call)
+                    and getattr(node.left.value.func, "id", None) == "type"
+                    and any(isinstance(c, ast.Constant) and c.value in ours for c in node.comparators)):
+                problems.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not problems, "class-name checks: " + ", ".join(problems)
 
 
 # ---- docs/ARCHITECTURE.md ----------------------------------------------------------------------------------------
@@ -214,8 +300,6 @@ def dotted_problem(ref: str) -> str | None:
     """None when ``ref`` is a module of the package, or a name defined at the top of one (``module.Class``; a
     method after it is not checked); else what is wrong."""
     parts = ref.split(".")
-    if len(parts) > 1 and parts[1] in vpo_lightning.MOVED:
-        return f"old path: vpo_lightning.{vpo_lightning.MOVED[parts[1]]}"
     for cut in range(len(parts), 0, -1):
         module = ".".join(parts[:cut])
         if module in MODULES:
@@ -244,31 +328,24 @@ def test_module_paths_in_docs_exist(doc):
     assert not problems, f"{doc.relative_to(REPO)} names module paths that do not exist:\n" + "\n".join(problems)
 
 
-# ---- the old module paths --------------------------------------------------------------------------------------
-def test_old_module_paths_are_the_moved_modules():
-    """VPO-SPEC section 3's ``vpo_lightning.advantages``, class paths in older run configs and pickled checkpoints
-    name the modules that used to sit at the top of the package: each old path is the moved module itself."""
+# ---- the old module paths ---------------------------------------------------------------------------------------
+def test_old_module_paths_are_gone_and_saved_class_paths_are_renamed():
+    """The modules that sat at the top of the package before the layers (``vpo_lightning.engines``) are not
+    importable any more; the class paths that run configs saved before then hold are renamed to classes that
+    exist (training/config.py, beside the renamed keys)."""
     import importlib
-    import io
-    import pickle
 
-    for old, new in vpo_lightning.MOVED.items():
-        assert importlib.import_module(f"vpo_lightning.{old}") is importlib.import_module(f"vpo_lightning.{new}"), old
-    from vpo_lightning.core import advantages
-    from vpo_lightning.generation.models import ModelSettings
+    from vpo_lightning.training.config import RENAMED_CLASS_PATHS, import_class
 
-    spec_api = ("sample_weights", "set_rewards", "vpo_advantages", "group_normalize")  # VPO-SPEC section 3
-    namespace: dict = {}
-    exec(f"from vpo_lightning.advantages import {', '.join(spec_api)}", namespace)
-    assert all(namespace[name] is getattr(advantages, name) for name in spec_api)
-
-    unpickler = pickle.Unpickler(io.BytesIO(b""))
-    assert unpickler.find_class("vpo_lightning.models", "ModelSettings") is ModelSettings
-    assert importlib.import_module("vpo_lightning.core.advantages").__spec__.name == "vpo_lightning.core.advantages"
+    for old in ("advantages", "engines", "models", "rollout", "progress", "evaluate"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"vpo_lightning.{old}")
+    for old, new in RENAMED_CLASS_PATHS.items():
+        assert old.split(".")[1] not in PACKAGE_LAYERS and isinstance(import_class(new), type), old
 
 
-def test_python_m_vpo_lightning_cli_is_the_vpo_command():
-    proc = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "--help"], cwd=REPO, capture_output=True,
+def test_python_m_vpo_lightning_is_the_vpo_command():
+    proc = subprocess.run([sys.executable, "-m", "vpo_lightning", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: vpo COMMAND") and "\n  replicates " in proc.stdout

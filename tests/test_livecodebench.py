@@ -27,7 +27,7 @@ from vpo_lightning.tasks.livecodebench import (
     values_match,
 )
 from vpo_lightning.tasks.public_data import read_records
-from vpo_lightning.training.datamodule import read_jsonl
+from vpo_lightning.training.records import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "livecodebench"
 

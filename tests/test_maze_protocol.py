@@ -43,7 +43,7 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
     prefix = f"pytest-{os.getpid()}"
     adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
     try:
-        _run([sys.executable, "-m", "vpo_lightning.cli", "sft", "--config", "configs/maze5_sft.yaml",
+        _run([sys.executable, "-m", "vpo_lightning", "sft", "--config", "configs/maze5_sft.yaml",
               "--model.model.name", "tiny-llama", "--trainer.max_steps", "1", "--run_name", f"{prefix}-sft",
               "--data.max_train_examples", "8", "--trainer.val_check_interval", "1"], env, ROOT)
         env.update(METHOD="vpo", SEED="0", PREFIX=prefix, SFT_ADAPTER=str(adapter), N="3", PROMPTS="2",
@@ -88,7 +88,7 @@ def test_protocol_runs_tool_use_with_bfcls_checker(tmp_path: Path) -> None:
     prefix = f"pytest-tool-{os.getpid()}"
     adapter = ROOT / "checkpoints" / f"{prefix}-sft" / "adapters" / "last"
     try:
-        _run([sys.executable, "-m", "vpo_lightning.cli", "sft", "--config", "configs/tooluse_sft.yaml",
+        _run([sys.executable, "-m", "vpo_lightning", "sft", "--config", "configs/tooluse_sft.yaml",
               "--model.model.name", "tiny-llama", "--trainer.max_steps", "1", "--run_name", f"{prefix}-sft",
               "--data.max_train_examples", "4", "--data.batch_size", "2", "--trainer.val_check_interval", "1"],
              env, ROOT)

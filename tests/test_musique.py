@@ -21,7 +21,7 @@ from vpo_lightning.tasks.musique import (
     token_f1,
 )
 from vpo_lightning.tasks.public_data import DataUnavailable
-from vpo_lightning.training.datamodule import read_jsonl
+from vpo_lightning.training.records import read_jsonl
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "public" / "musique"
 GT2 = {"ground_truth": {"answer": "Brightwater College", "answer_aliases": [], "support": [4, 6]}}
@@ -230,6 +230,6 @@ def test_grpo_trains_on_the_weighted_f():
     assert ro.rewards[:, 0].tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]] * 2  # the logged vectors stay 5-D
     # f = [4/7, 5/7] * 2: deviations +-1/14 over the sample std (ddof 1, as the reference) sqrt(4 / 3) / 14
     assert ro.advantages.tolist() == pytest.approx([-(3 / 4) ** 0.5, (3 / 4) ** 0.5] * 2, abs=1e-4)
-    assert grpo._scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 1)
+    assert grpo.sampler.scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 1)
     vpo_cb = RolloutCallback(rewards=["musique"], estimator="vpo", group_size=4, engine=Scripted())
-    assert vpo_cb._scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 5)
+    assert vpo_cb.sampler.scalar_view(ro.rewards.view(1, 4, 1, 5)).shape == (1, 4, 1, 5)

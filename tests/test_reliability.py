@@ -28,10 +28,11 @@ import pytest
 import torch
 from conftest import ScriptedEngine, build_tiny_module
 
+from vpo_lightning.core.protocol import build_rollout_tensors
 from vpo_lightning.core.types import Generation, Rollout
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.module import VPOModule
-from vpo_lightning.training.rollout import RolloutCallback, build_rollout_tensors
+from vpo_lightning.training.rollout import RolloutCallback
 
 REPO = Path(__file__).resolve().parents[1]
 # Per-step train/loss, reward/all/mean, kl and grad_norm of a resumed run vs an uninterrupted one may differ by at most
@@ -294,7 +295,7 @@ def _vpo(cwd: Path, args: list[str], pause: str = "", timeout: float = 420.0) ->
     log = (cwd / "vpo.log").open("a")
     log.write(f"\n===== {pause or 'to the end'}: {' '.join(args)}\n")
     log.flush()
-    proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=cwd, env=_env(cwd, pause),
+    proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning", *args], cwd=cwd, env=_env(cwd, pause),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
@@ -468,7 +469,7 @@ def _sigterm_at(cwd: Path, args: list[str], pause: str) -> str:
     with (cwd / "vpo.log").open("a") as log:
         log.write(f"\n===== SIGTERM at {pause}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning.cli", *args], cwd=cwd, env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "vpo_lightning", *args], cwd=cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import ScriptedEngine
 
+from vpo_lightning.core.protocol import derive_seed
 from vpo_lightning.generation.models import load_tokenizer
-from vpo_lightning.training.rollout import RolloutCallback, derive_seed
+from vpo_lightning.training.rollout import RolloutCallback
 
 GOLD = [{"get_weather": {"city": ["Paris"]}}]
 TOOLS = [{"name": "get_weather", "description": "weather", "parameters": {"type": "dict", "properties": {

@@ -358,7 +358,7 @@ def test_data_file_code_never_runs_in_the_trainer(mode: str) -> None:
 
 def test_code_records_without_tests_are_rejected(tmp_path: Path) -> None:
     """The data check names the file and line of a code record with no tests."""
-    from vpo_lightning.training.datamodule import read_jsonl
+    from vpo_lightning.training.records import read_jsonl
 
     good = {"task": "code", "messages": [{"role": "user", "content": "x"}],
             "ground_truth": {"entry_point": "f", "prompt": "def f(): pass\n", "tests": ["assert candidate() is None"]}}

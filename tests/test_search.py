@@ -40,7 +40,7 @@ def _search(*args: str) -> dict:
 
 
 def _num_tests(task_id: str) -> int:
-    from vpo_lightning.training.datamodule import read_jsonl
+    from vpo_lightning.training.records import read_jsonl
 
     code = Path(__file__).resolve().parents[1] / "data" / "code"
     records = {r["id"]: r for split in ("train", "val", "test") for r in read_jsonl(code / f"{split}.jsonl")}

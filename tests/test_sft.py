@@ -18,7 +18,8 @@ from vpo_lightning.core.chains import build_instruction, parse_chain
 from vpo_lightning.generation.models import ModelSettings, load_base_model, load_tokenizer, prompt_token_ids, wrap_lora
 from vpo_lightning.sft.data import pack_examples, tokenize_example
 from vpo_lightning.sft.demos import FAMILIES, build_demos, check_training_file, held_out_prompts, prompt_key
-from vpo_lightning.sft.module import lr_factor, row_nll
+from vpo_lightning.sft.module import row_nll
+from vpo_lightning.training.policy import lr_factor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[1]
@@ -297,8 +298,8 @@ def _maze_demo_routes(demo: dict) -> list[str | None]:
 
 
 def _shortest_moves(record: dict) -> int:
-    from vpo_lightning.sft.demos import distances_to_exit
     from vpo_lightning.tasks.maze import Maze
+    from vpo_lightning.tasks.maze.demos import distances_to_exit
 
     return distances_to_exit(Maze.from_dict(record["ground_truth"]))[tuple(record["ground_truth"]["start"])]
 
@@ -411,7 +412,7 @@ def test_vpo_sft_end_to_end(tiny_model_dir, tmp_path):
     loads it as model.adapter."""
     cfg = _write_config(tmp_path, "e2e", 2)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "vpo_lightning.cli", "sft", "--config", str(cfg)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "vpo_lightning", "sft", "--config", str(cfg)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "checkpoints" / "e2e"

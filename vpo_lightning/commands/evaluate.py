@@ -43,6 +43,7 @@ from vpo_lightning.commands.runs import (
 from vpo_lightning.commands.tools import parse_args, run_command
 from vpo_lightning.generation.adapters import refresh_card
 from vpo_lightning.training.config import get
+from vpo_lightning.training.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -164,39 +165,19 @@ class PromptPool:
         return self.rewards if self.dims is None else self.rewards[..., self.dims]
 
 
-@dataclass
-class Sampler:
-    """What sampling outside training needs: the chain protocol, an engine and its sampling settings."""
-
-    protocol: Any  # vpo_lightning.core.protocol.ChainProtocol
-    engine: Any  # vpo_lightning.generation.engines.Engine
-    sampling: Any  # vpo_lightning.generation.engines.SamplingSettings
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any] | Any, estimator: str | None = None) -> Sampler:
-        """The config's chain protocol (its ``rollout:`` section, parsed and instantiated as `vpo fit` does:
-        ``vpo_lightning.commands.runs.run_config``) with the evaluation engine and sampling (:func:`build_engine`);
-        ``estimator`` overrides ``rollout.estimator``."""
-        rollout = eval_rollout(cfg, estimator)
-        return cls(rollout.protocol, *build_engine(rollout))
+def eval_sampler(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Sampler:
+    """The :class:`~vpo_lightning.training.sampler.Sampler` of ``vpo eval`` and ``vpo search``: the config's chain
+    protocol (its ``rollout:`` section parsed as `vpo fit` parses it: ``vpo_lightning.commands.runs.run_config``;
+    ``estimator`` overrides ``rollout.estimator``) with the evaluation engine and sampling (:func:`build_engine`)."""
+    run = _run_config(cfg, estimator)
+    return Sampler(run.protocol(), *build_engine(run))
 
 
-def eval_rollout(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
-    """The :class:`~vpo_lightning.training.rollout.RolloutCallback` ``vpo fit`` would build from ``cfg`` (a loaded
-    config, a parsed ``RunConfig`` or the callback itself), ``estimator`` overriding ``rollout.estimator``."""
-    from vpo_lightning.commands.runs import run_config
+def _run_config(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
+    """``cfg`` (a loaded config or a parsed ``RunConfig``) as a ``RunConfig``."""
     from vpo_lightning.training.config import RunConfig
-    from vpo_lightning.training.rollout import RolloutCallback
 
-    if isinstance(cfg, RolloutCallback):
-        return cfg
-    return (cfg if isinstance(cfg, RunConfig) else run_config(cfg, estimator=estimator)).rollout()
-
-
-def build_protocol(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
-    """The run's :class:`vpo_lightning.core.protocol.ChainProtocol` (prompts, candidate parser, reward vector),
-    configured like training from the config's ``rollout:`` section."""
-    return eval_rollout(cfg, estimator).protocol
+    return cfg if isinstance(cfg, RunConfig) else run_config(cfg, estimator=estimator)
 
 
 def build_engine(cfg: dict[str, Any] | Any) -> tuple[Any, Any]:
@@ -207,36 +188,15 @@ def build_engine(cfg: dict[str, Any] | Any) -> tuple[Any, Any]:
 
     from vpo_lightning.generation.engines import TransformersEngine
 
-    rollout = eval_rollout(cfg)
-    sampling = replace(rollout.sampling, temperature=rollout.eval_temperature, top_p=rollout.eval_top_p)
-    return TransformersEngine(int(getattr(rollout.engine, "max_batch_size", 0) or 0)), sampling
-
-
-def prompt_rows(protocol: Any, tokenizer: Any, record: dict, chains: int, seed: int) -> list[list[int]]:
-    """Token ids of the ``chains`` prompts of one record (goal-conditioned: a fresh shown weight per sample)."""
-    from vpo_lightning.generation.models import prompt_token_ids
-    from vpo_lightning.training.records import template_tools
-
-    tools = template_tools(record)
-    return [prompt_token_ids(tokenizer, messages, tools) for messages in protocol.chain_messages(record, chains, seed)]
-
-
-def generate_rows(run: Sampler, ns: Any, per_record: list[list[list[int]]]) -> Any:
-    """One engine call for the prompt rows of several records (``per_record[i]``: record i's chains), completions
-    in the same order. When every chain of a record has the same prompt (all methods but goal-conditioned GRPO)
-    the record is one group, so the engine prefills its prompt once instead of once per chain."""
-    if all(row == rows[0] for rows in per_record for row in rows) and len({len(r) for r in per_record}) == 1:
-        return run.engine.generate(ns, [rows[0] for rows in per_record], len(per_record[0]), run.sampling)
-    return run.engine.generate(ns, [r for rows in per_record for r in rows], 1, run.sampling)
+    run = _run_config(cfg)
+    sampling = replace(run.sampling(), temperature=run.value("rollout.eval_temperature"),
+                       top_p=run.value("rollout.eval_top_p"))
+    return TransformersEngine(int(run.engine_args().get("max_batch_size", 0) or 0)), sampling
 
 
 def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:
     """One engine call for all chains of ``records``; split the scored result back per prompt."""
-    from vpo_lightning.core.protocol import derive_seed
-
-    per_record = [prompt_rows(run.protocol, ns.tokenizer, rec, chains, seed) for rec in records]  # [b][chains]
-    torch.manual_seed(derive_seed(seed, "eval", call))
-    gen = generate_rows(run, ns, per_record)
+    gen = run.generate_chains(ns, records, chains, seed, "eval", call)
     cands = [run.protocol.candidates(t) for t in gen.texts]
     scores = run.protocol.score(cands, [rec for rec in records for _ in range(chains)])
     pools = []
@@ -572,7 +532,7 @@ def run(args: argparse.Namespace) -> Path:
     check_out_dir(out, args.overwrite)  # before any sampling
     cfg = load_config(config, args.overrides, require=("rollout",))
     parsed = run_config(cfg, str(config), args.estimator)  # as `vpo fit` parses it
-    sampler = Sampler.from_config(parsed)
+    sampler = eval_sampler(parsed)
     _check_args(args, sampler.protocol.m)
     prompts_file(parsed.parsed, args)  # a missing prompts file is told before the model loads
     device = pick_device(args.device)

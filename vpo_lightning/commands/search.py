@@ -107,7 +107,7 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
 
     Args:
         ns: what the engine needs (``policy``, ``tokenizer``, ``device``, ``model_settings``).
-        sampler: an :class:`vpo_lightning.commands.evaluate.Sampler` (chain protocol, engine, sampling settings).
+        sampler: a :class:`vpo_lightning.training.sampler.Sampler` (chain protocol, engine, sampling settings).
         records: the problems.
         budget: candidate solutions per problem.
         mode: ``best_of_k`` or ``rejection``.
@@ -118,9 +118,6 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
     Returns:
         One :class:`ProblemState` per record, in order.
     """
-    from vpo_lightning.commands.evaluate import generate_rows, prompt_rows
-    from vpo_lightning.core.protocol import derive_seed
-
     protocol = sampler.protocol
     m, total = protocol.m, chains_for(budget, protocol.m)
     states = [ProblemState(r) for r in records]
@@ -133,9 +130,7 @@ def search_problems(ns: Any, sampler: Any, records: list[dict], budget: int, mod
         chains = min(step, total - active[0].chains)  # all active problems advance in lockstep
         for start in range(0, len(active), prompts_per_call):
             batch = active[start : start + prompts_per_call]
-            per_record = [prompt_rows(protocol, ns.tokenizer, s.record, chains, seed) for s in batch]
-            torch.manual_seed(derive_seed(seed, "search", rnd, call))
-            gen = generate_rows(sampler, ns, per_record)
+            gen = sampler.generate_chains(ns, [s.record for s in batch], chains, seed, "search", rnd, call)
             call += 1
             cands: list[list[str | None]] = []
             for i, text in enumerate(gen.texts):
@@ -237,7 +232,7 @@ def run(args: argparse.Namespace) -> Path:
     config = runs.find_config(args.config, args.ckpt, args.adapter)
     cfg = runs.load_config(config, args.overrides, require=("rollout",))
     parsed = runs.run_config(cfg, str(config), args.estimator)  # as `vpo fit` parses it
-    sampler = evaluate.Sampler.from_config(parsed)
+    sampler = evaluate.eval_sampler(parsed)
     protocol = sampler.protocol
     device = runs.pick_device(args.device)
     model, settings, info = runs.load_model(cfg, device, ckpt=args.ckpt, adapter=args.adapter)

@@ -1,8 +1,9 @@
 """Advantage estimators: VPO's set reward (VPO-SPEC section 3) and the baselines of section 4. Pure torch.
 
 Shapes: B prompts, G chains (rollouts) per prompt, m candidates per chain, D reward dimensions, K weight vectors.
-Every estimator in :data:`ESTIMATORS` takes ``rewards [B, G, m, D]`` in [0, 1] (+ an optional presence mask
-``[B, G, m]``) and returns one advantage per rollout, ``[B, G]``, that the loss applies to every generated token.
+Every estimator of the table (:mod:`~vpo_lightning.core.estimators`) takes ``rewards [B, G, m, D]`` in [0, 1] (+
+an optional presence mask ``[B, G, m]``) and returns one advantage per rollout, ``[B, G]``, that the loss applies to
+every generated token.
 Single-answer methods receive m = 1. Nothing here loops in Python over B, G, m, K or D.
 
 Per-row D. A batch may mix records with different numbers of real dimensions (code tasks: one per test, at most 16).
@@ -19,15 +20,11 @@ step use the sample std (ddof 1); GDPO's batch whitening is token-weighted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "CHAIN_ESTIMATORS",
-    "ESTIMATORS",
-    "WEIGHTED_ESTIMATORS",
     "gdpo",
     "goal_conditioned_grpo",
     "group_normalize",
@@ -37,9 +34,10 @@ __all__ = [
     "max_at_k_default",
     "multi_rlvr",
     "random_weight_grpo",
-    "sample_weights",
     "restrict_weights",
+    "sample_weights",
     "set_rewards",
+    "vpo",
     "vpo_advantages",
 ]
 
@@ -270,12 +268,13 @@ def vpo_advantages(rewards: Tensor, mask: Tensor | None = None, *, weights: Tens
 
 
 # ----------------------------------------------------------------------------------------------- estimators
-def _vpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
-         alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
-         dim_mask: Tensor | None = None) -> Tensor:
-    """:func:`vpo_advantages` as the estimator table calls it: with ``dim_mask [B, D]``, the weights (given, or
-    drawn per group with ``generator`` exactly as :func:`vpo_advantages` draws them) are restricted to each group's
-    real dimensions (:func:`restrict_weights`) and padding dimensions are zeroed. ``[B, G, m, D] -> [B, G]``."""
+def vpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None = None, num_weights: int = 100,
+        alpha: float = 1.0, eps: float = 1e-6, generator: torch.Generator | None = None,
+        dim_mask: Tensor | None = None) -> Tensor:
+    """:func:`vpo_advantages` as the estimator table (:mod:`~vpo_lightning.core.estimators`) calls it: with
+    ``dim_mask [B, D]``, the weights (given, or drawn per group with ``generator`` exactly as :func:`vpo_advantages`
+    draws them) are restricted to each group's real dimensions (:func:`restrict_weights`) and padding dimensions
+    are zeroed. ``[B, G, m, D] -> [B, G]``."""
     checked, _ = _check_rewards(rewards, mask)
     dim_mask = _check_dim_mask(dim_mask, checked)
     if dim_mask is None:
@@ -296,7 +295,7 @@ def grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None 
 
     ``weights``, ``num_weights``, ``alpha`` and ``generator`` are accepted for the shared signature and unused.
     """
-    rewards, mask = _check_rewards(rewards, mask, single="grpo")
+    rewards, mask = _check_rewards(rewards, mask, single=grpo.__name__)
     dim_mask = _check_dim_mask(dim_mask, rewards)
     return _znorm(_f(_masked(rewards, mask), dim_mask).squeeze(2), dim=1, eps=eps, correction=1)  # [B, G]
 
@@ -338,7 +337,7 @@ def random_weight_grpo(rewards: Tensor, mask: Tensor | None = None, *, weights: 
     ``generator`` (``num_weights`` is then ignored: the method is defined with a single weight vector). With
     ``dim_mask`` the weights are restricted to the real dimensions. ``rewards [B, G, 1, D] -> [B, G]``.
     """
-    rewards, mask = _check_rewards(rewards, mask, single="random_weight_grpo")
+    rewards, mask = _check_rewards(rewards, mask, single=random_weight_grpo.__name__)
     dim_mask = _check_dim_mask(dim_mask, rewards)
     b, d = rewards.shape[0], rewards.shape[-1]
     if weights is None:
@@ -410,7 +409,7 @@ def max_at_k(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | N
     Returns:
         ``[B, G]`` advantages; see :func:`max_at_k_contributions` for the formula.
     """
-    rewards, mask = _check_rewards(rewards, mask, single="max_at_k")
+    rewards, mask = _check_rewards(rewards, mask, single=max_at_k.__name__)
     dim_mask = _check_dim_mask(dim_mask, rewards)
     scores = _f(_masked(rewards, mask), dim_mask).squeeze(2)  # [B, G]
     g = scores.shape[1]
@@ -447,7 +446,7 @@ def gdpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None 
     flat within a group (padding included) contributes 0, and a batch whose summed scores are flat gets zeros. The
     weight arguments are unused.
     """
-    rewards, mask = _check_rewards(rewards, mask, single="gdpo")
+    rewards, mask = _check_rewards(rewards, mask, single=gdpo.__name__)
     dim_mask = _check_dim_mask(dim_mask, rewards)
     per_dim = _znorm(_real_only(_masked(rewards, mask), dim_mask).squeeze(2), dim=1, eps=eps, correction=1)
     summed = per_dim.sum(dim=-1)  # [B, G]
@@ -462,16 +461,3 @@ def gdpo(rewards: Tensor, mask: Tensor | None = None, *, weights: Tensor | None 
             raise ValueError("token_counts must be finite and non-negative")
     return _whiten(summed, counts)  # [B, G]
 
-
-Estimator = Callable[..., Tensor]
-ESTIMATORS: dict[str, Estimator] = {
-    "vpo": _vpo,
-    "grpo": grpo,
-    "multi_rlvr": multi_rlvr,
-    "random_weight_grpo": random_weight_grpo,
-    "goal_conditioned_grpo": goal_conditioned_grpo,
-    "max_at_k": max_at_k,
-    "gdpo": gdpo,
-}
-CHAIN_ESTIMATORS = frozenset({"vpo", "multi_rlvr"})  # m-answer chains; the others get m = 1
-WEIGHTED_ESTIMATORS = frozenset({"random_weight_grpo", "goal_conditioned_grpo"})  # weights drawn before rollout

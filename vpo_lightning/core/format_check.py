@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vpo_lightning.core.advantages import CHAIN_ESTIMATORS
+from vpo_lightning.core.estimators import get_estimator
 
 PATIENCE = 3  # training steps in a row without a parsed answer (or without reward spread) before the warning
 
@@ -41,7 +41,7 @@ class FormatCheck:
 
     def __init__(self, estimator: str, m: int, tag_family: str, patience: int = PATIENCE) -> None:
         self.estimator, self.m, self.tag_family, self.patience = estimator, m, tag_family, patience
-        self.chained = estimator in CHAIN_ESTIMATORS
+        self.chained = get_estimator(estimator).chained
         self.unparsed_steps = 0  # training steps in a row in which no candidate parsed
         self.flat_steps = 0  # training steps in a row in which no prompt group had reward spread
         self.warned = False

@@ -20,12 +20,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from vpo_lightning.core.advantages import CHAIN_ESTIMATORS, WEIGHTED_ESTIMATORS, restrict_weights, sample_weights
+from vpo_lightning.core.advantages import restrict_weights, sample_weights
 from vpo_lightning.core.chains import build_instruction, distinct, parse_chain
+from vpo_lightning.core.estimators import DEFAULT_ESTIMATOR, get_estimator
 from vpo_lightning.core.types import Generation, RewardScores
 from vpo_lightning.rewards import RewardVector
 
-Estimator = Literal["vpo", "grpo", "multi_rlvr", "random_weight_grpo", "goal_conditioned_grpo", "max_at_k", "gdpo"]
 TagFamily = Literal["response", "route", "fence"]
 # Goal-conditioned GRPO's prompt suffix, worded as the reference's (vpo/augment.py): one line per real dimension,
 # "- <description>: <weight to 2 decimals>".
@@ -44,7 +44,8 @@ class ChainProtocol:
 
     Args:
         rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
-        estimator: the advantage estimator; chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        estimator: the advantage estimator's name in :data:`~vpo_lightning.core.estimators.ESTIMATORS`; chain
+            methods ask for m answers per chain.
         num_candidates: m for chain methods (single-answer methods use 1).
         num_weights: K, Dirichlet weight vectors per prompt group (VPO set reward).
         alpha: Dirichlet concentration.
@@ -53,11 +54,12 @@ class ChainProtocol:
         reward_workers: threads for rewards registered ``parallel=True``.
     """
 
-    def __init__(self, rewards: Sequence[str], estimator: str = "vpo", num_candidates: int = 3,
+    def __init__(self, rewards: Sequence[str], estimator: str = DEFAULT_ESTIMATOR, num_candidates: int = 3,
                  num_weights: int = 100, alpha: float = 1.0, tag_family: TagFamily = "response", seed: int = 0,
                  reward_workers: int | None = None) -> None:
         self.reward_names, self.estimator = list(rewards), estimator
-        self.chained = estimator in CHAIN_ESTIMATORS
+        self.method = get_estimator(estimator)  # the table's entry: its function and traits
+        self.chained = self.method.chained
         self.m = num_candidates if self.chained else 1
         self.num_weights, self.alpha, self.tag_family, self.seed = num_weights, alpha, tag_family, seed
         self.reward_vector = RewardVector(self.reward_names, max_workers=reward_workers)  # fails fast on a bad name
@@ -82,7 +84,7 @@ class ChainProtocol:
         """
         messages = [dict(m) for m in record["messages"]]
         suffix = build_instruction(self.m, self.tag_family) if self.chained else ""
-        if self.estimator == "goal_conditioned_grpo" and weights is not None:
+        if self.method.shows_weights and weights is not None:
             real = self.dim_mask([record])[0].tolist()  # [D]
             lines = [f"- {desc}: {w:.2f}" for desc, w, ok in
                      zip(self.reward_vector.descriptions, weights.reshape(-1).tolist(), real) if ok]
@@ -105,21 +107,23 @@ class ChainProtocol:
                      records: Sequence[Mapping[str, Any]] | None = None) -> Tensor | None:
         """``[B, K, D]`` weights, restricted to each record's real dimensions; None for estimators without weights.
 
-        VPO: K = ``num_weights`` fresh draws per step, keyed by (seed, step, prompt index). The weighted
-        single-answer baselines: K = 1, keyed by (seed, record id) only, so a training row gets the same w at every
-        step and epoch, as the reference keys it on (seed, row) (``vpo/augment.py``).
+        Weights keyed per step (VPO): K = ``num_weights`` fresh draws per step, keyed by (seed, step, prompt
+        index). Keyed per row (the weighted single-answer baselines): K = 1, keyed by (seed, record id) only, so a
+        training row gets the same w at every step and epoch, as the reference keys it on (seed, row)
+        (``vpo/augment.py``).
         """
-        if self.estimator != "vpo" and self.estimator not in WEIGHTED_ESTIMATORS:
+        if self.method.weights is None:
             return None
+        per_step = self.method.weights == "step"
         given = records is not None
         records = list(records) if given else [{} for _ in indices]
         if len(records) != len(indices):
             raise ValueError(f"step_weights got {len(indices)} indices but {len(records)} records")
-        if self.estimator == "vpo":
+        if per_step:
             keys = [(self.seed, step, idx) for idx in indices]
         else:
             keys = [(self.seed, "row-weights", self.row_key(r, idx)) for r, idx in zip(records, indices)]
-        k = self.num_weights if self.estimator == "vpo" else 1
+        k = self.num_weights if per_step else 1
         draws = [sample_weights(k, self.dim, self.alpha, generator=torch.Generator().manual_seed(derive_seed(*key)))
                  for key in keys]
         weights = torch.stack(draws)  # [B, K, D]
@@ -128,9 +132,10 @@ class ChainProtocol:
         return weights
 
     def chain_messages(self, record: Mapping[str, Any], chains: int, seed: int) -> list[list[dict[str, str]]]:
-        """The messages of ``chains`` samples of one record outside training (``vpo eval``, ``vpo search``):
-        goal-conditioned GRPO shows a fresh weight per sample, keyed by (seed, record id)."""
-        if self.estimator != "goal_conditioned_grpo":
+        """The messages of ``chains`` samples of one record outside training (``vpo eval``, ``vpo search``): an
+        estimator that shows its weights (goal-conditioned GRPO) shows a fresh one per sample, keyed by (seed,
+        record id)."""
+        if not self.method.shows_weights:
             return [self.messages(record)] * chains
         gen = torch.Generator().manual_seed(derive_seed(seed, "eval-weights", record.get("id")))
         weights = sample_weights(chains, self.dim, self.alpha, generator=gen)  # [C, D]

@@ -299,14 +299,15 @@ def write_merged_card(folder: Path, facts: dict[str, Any], adapter: str | Path |
 
 # ---- facts about the run, for the card ----------------------------------------------------------------------------
 def run_facts(trainer: Any, module: Any, run_name: str) -> dict[str, Any]:
-    """What the card reports: method, estimator, reward dimensions, steps, prompts and tokens trained."""
+    """What the card reports: method, estimator, reward dimensions, steps, prompts and tokens trained. The module
+    names its method (``card_method``, default RL); a callback with ``card_facts()`` (the rollout callback) adds
+    the estimator, reward dimensions, m, G and the tokens generated."""
     facts: dict[str, Any] = {"run_name": run_name, "global_step": int(trainer.global_step),
-                             "method": "supervised (vpo sft)" if type(module).__name__ == "SFTModule" else "RL"}
-    rollout = next((c for c in trainer.callbacks if hasattr(c, "reward_names") and hasattr(c, "estimator")), None)
+                             "method": getattr(module, "card_method", "RL")}
+    # a callback that samples what is trained on (the rollout callback) says so through `card_facts()`
+    rollout = next((c for c in trainer.callbacks if callable(getattr(c, "card_facts", None))), None)
     if rollout is not None:
-        facts.update(method="RL (vpo fit)", estimator=rollout.estimator,
-                     reward_dims=list(getattr(rollout.protocol, "dim_names", rollout.reward_names)),
-                     m=rollout.m, G=rollout.group_size, tokens_trained=f"{rollout.generated_tokens} generated")
+        facts.update(rollout.card_facts())
     dm = getattr(trainer, "datamodule", None)
     stream = getattr(dm, "train_stream", None)
     if stream is not None:

@@ -25,8 +25,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from vpo_lightning.core.packing import packed_attention_mask
+from vpo_lightning.tasks.demos import demo_builders
 from vpo_lightning.training.datamodule import StreamDataModule
 from vpo_lightning.training.records import template_tools
+
+# data.builder: a task's registered demonstration builder (tasks/<name>/demos.py), or none for ready demonstrations
+BuilderName = Literal[(*demo_builders(), "none")]  # type: ignore[valid-type]
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +100,9 @@ class SFTDataModule(StreamDataModule):
             or conversational; ``messages`` with assistant turns, each turn learnt) or ours (``{"messages": [...],
             "completion": str}``), from JSONL, JSON, Parquet, CSV, a ``save_to_disk`` folder or a Hub id, as
             ``vpo fit`` reads them. The loss is on the completions only.
-        builder: tooluse, maze (random walks), maze_shortest (random shortest routes) or maze_direct (shortest,
-            then one-detour routes in chains): demonstrations built from the records (vpo_lightning/sft/demos.py);
-            or none.
+        builder: a task's demonstration builder (``vpo_lightning/tasks/<name>/demos.py``): tooluse, maze (random
+            walks), maze_shortest (random shortest routes) or maze_direct (shortest, then one-detour routes in
+            chains), demonstrations built from the records; or none.
         formats: answers per demonstration: 1 = single answer, m > 1 = an m-answer chain; [1, 3] gives both,
             so that GRPO (single answers) and VPO (3-answer chains) can start from the same adapter.
         val_fraction: fraction of the training records held out (all their demonstrations) for the validation
@@ -119,7 +123,7 @@ class SFTDataModule(StreamDataModule):
     def __init__(
         self,
         train_files: list[str],
-        builder: Literal["tooluse", "maze", "maze_shortest", "maze_direct", "none"] = "none",
+        builder: BuilderName = "none",
         formats: list[int] | None = None,
         val_fraction: float = 0.05,
         max_val_examples: int = 64,

@@ -24,7 +24,7 @@ from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.sft.data import pack_examples
 from vpo_lightning.training.policy import PolicyModule, lr_factor, lr_shape, peak_rss_gb
 
-__all__ = ["SFTModule", "SFTOptimSettings", "lr_factor", "row_nll"]
+__all__ = ["SFTModule", "SFTOptimSettings", "row_nll"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class SFTModule(PolicyModule):
     """
 
     needs_reference = False  # no KL term: full fine-tuning loads no second copy
+    card_method = "supervised (vpo sft)"  # what the adapter's model card says trained it
 
     def __init__(
         self,

@@ -6,7 +6,10 @@ docs/ADDING_A_TASK.md.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import pkgutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,3 +23,13 @@ def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path, **dumps_kwa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return len(data)
+
+
+@functools.cache
+def prompt_lists_tools(task: str) -> bool:
+    """Whether the built-in task ``task`` writes a record's tools into the prompt text itself (its package sets
+    ``PROMPT_LISTS_TOOLS = True``), so that the chat template must not be given them again. False for any other
+    name (a user's task, no task)."""
+    if task not in {info.name for info in pkgutil.iter_modules(__path__) if info.ispkg}:
+        return False
+    return bool(getattr(importlib.import_module(f"{__name__}.{task}"), "PROMPT_LISTS_TOOLS", False))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,14 @@ def fit_parser() -> Any:
 
 # keys renamed since runs were saved (a run's config.yaml lists every engine argument): old -> new
 RENAMED_KEYS = {"rollout.engine.init_args.pack_weights": "rollout.engine.init_args.prepack_weights"}
+# class paths renamed since runs were saved (a run's config.yaml names the engine and the callbacks): the classes
+# that sat at the top of the package before the layers. old -> new
+RENAMED_CLASS_PATHS = {
+    "vpo_lightning.engines.TransformersEngine": "vpo_lightning.generation.engines.TransformersEngine",
+    "vpo_lightning.engines.VLLMEngine": "vpo_lightning.generation.engines.VLLMEngine",
+    "vpo_lightning.progress.StepProgressBar": "vpo_lightning.training.progress.StepProgressBar",
+    "vpo_lightning.checkpointing.AdapterCheckpoint": "vpo_lightning.training.checkpointing.AdapterCheckpoint",
+}
 
 
 def _parent(cfg: dict[str, Any], dotted: str) -> tuple[Any, str]:
@@ -96,6 +104,31 @@ def _rename_old_keys(cfg: dict[str, Any], source: str) -> None:
         if isinstance(node, dict) and last in node:
             node.setdefault(new.rpartition(".")[2], node.pop(last))
             log.warning("%s: %s is now %s; read as such", source, old, new)
+
+
+def _old_class_paths(cfg: Any) -> Iterator[dict[str, Any]]:
+    """The mappings in ``cfg`` (lists included) whose ``class_path`` :data:`RENAMED_CLASS_PATHS` renames."""
+    if isinstance(cfg, Mapping):
+        if cfg.get("class_path") in RENAMED_CLASS_PATHS:
+            yield cfg  # type: ignore[misc]
+        for value in cfg.values():
+            yield from _old_class_paths(value)
+    elif isinstance(cfg, list):
+        for value in cfg:
+            yield from _old_class_paths(value)
+
+
+def renamed_class_paths(cfg: Any) -> list[tuple[str, str]]:
+    """``(old, new)`` of every class path in ``cfg`` that :data:`RENAMED_CLASS_PATHS` renames."""
+    return [(node["class_path"], RENAMED_CLASS_PATHS[node["class_path"]]) for node in _old_class_paths(cfg)]
+
+
+def _rename_old_class_paths(cfg: dict[str, Any], source: str) -> None:
+    """Rewrite (in place) the class paths :data:`RENAMED_CLASS_PATHS` renames, with a warning."""
+    for node in list(_old_class_paths(cfg)):
+        old = node["class_path"]
+        node["class_path"] = RENAMED_CLASS_PATHS[old]
+        log.warning("%s: class_path %s is now %s; read as such", source, old, node["class_path"])
 
 
 def _drop_unknown(cfg: dict[str, Any], parser: Any, source: str) -> None:
@@ -115,6 +148,8 @@ def _drop_unknown(cfg: dict[str, Any], parser: Any, source: str) -> None:
 def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -147,9 +182,31 @@ class RunConfig:
     def rollout(self) -> Any:
         """The :class:`~vpo_lightning.training.rollout.RolloutCallback`: chain protocol, reward vector, sampling,
         engine."""
+        self._require_rewards()
+        return self.instantiate("rollout")
+
+    def protocol(self) -> Any:
+        """The run's :class:`~vpo_lightning.core.protocol.ChainProtocol`, built from the parsed ``rollout:`` values
+        as the rollout callback builds it (:func:`~vpo_lightning.training.sampler.chain_protocol`), without the
+        callback or its engine."""
+        import inspect
+
+        from vpo_lightning.training.sampler import chain_protocol
+
+        self._require_rewards()
+        names = inspect.signature(chain_protocol).parameters
+        return chain_protocol(**{name: self.value(f"rollout.{name}") for name in names})
+
+    def sampling(self) -> Any:
+        """The training :class:`~vpo_lightning.generation.engines.SamplingSettings` (``rollout.sampling``)."""
+        from vpo_lightning.generation.engines import SamplingSettings
+
+        node = self.value("rollout.sampling")
+        return node if isinstance(node, SamplingSettings) else SamplingSettings(**node.as_dict())
+
+    def _require_rewards(self) -> None:
         if self.value("rollout.rewards") is None:
             raise ValueError(f"{self.source}: rollout.rewards is required (the reward names, e.g. [maze])")
-        return self.instantiate("rollout")
 
     def model_settings(self) -> Any:
         """The policy's :class:`~vpo_lightning.generation.models.ModelSettings` (``model.model``), with the values
@@ -188,6 +245,7 @@ def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mappi
     parser = fit_parser()
     data = _plain(cfg)  # a copy: the renames and removals below leave the caller's mapping as it was
     _rename_old_keys(data, source)
+    _rename_old_class_paths(data, source)
     _drop_unknown(data, parser, source)
     for key, value in (overrides or {}).items():
         *parents, last = key.split(".")

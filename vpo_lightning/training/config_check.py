@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from vpo_lightning.training.config import RENAMED_KEYS, get, import_class
+from vpo_lightning.training.config import RENAMED_KEYS, get, import_class, renamed_class_paths
 
 # jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
 _SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
@@ -332,6 +332,22 @@ def yaml_file_problem(path: str | Path) -> str | None:
     return None
 
 
+def moved_class_paths(argv: Sequence[str]) -> list[str]:
+    """One line per class path in the ``--config`` files of ``argv`` that moved (:data:`RENAMED_CLASS_PATHS`),
+    naming the new one: a run saved before the package's layers (its config.yaml) resumes once they are changed."""
+    import yaml
+
+    out = []
+    for path in config_paths(argv):
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue  # reported by yaml_file_problem
+        out += [f"{path}: class_path {old} moved: use {new} (a run saved before the move can be resumed by "
+                "changing it in its config.yaml)" for old, new in renamed_class_paths(data)]
+    return out
+
+
 def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Sequence[str], prog: str = "vpo",
                         subcommands: Sequence[str] = ()) -> str:
     """A short message for a failed parse: a config file that is not valid YAML (named, with the line), unknown
@@ -344,6 +360,8 @@ def explain_parse_error(message: str, subcommand_parser: Any | None, argv: Seque
         lines.append(f"unknown command {argv[0]!r}.{hint} Commands: {', '.join(subcommands)}")
     elif bad_files := [p for p in map(yaml_file_problem, config_paths(argv)) if p]:
         lines += bad_files
+    elif moved := moved_class_paths(argv):
+        lines += moved
     elif subcommand_parser is not None:
         lines += [u.message() for u in find_unknown_keys(subcommand_parser, argv[1:])]
         lines += find_bad_values(subcommand_parser, argv[1:]) if not lines else []

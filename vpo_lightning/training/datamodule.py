@@ -16,9 +16,9 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from vpo_lightning.training.records import read_jsonl, read_records, template_tools
+from vpo_lightning.training.records import read_records, template_tools
 
-__all__ = ["PromptDataModule", "PromptStream", "StreamDataModule", "read_jsonl", "read_records"]
+__all__ = ["PromptDataModule", "PromptStream", "StreamDataModule"]
 
 class PromptStream(IterableDataset):
     """Yields batches ``{"records": [...], "position": int}`` starting at ``position``; see the module docstring."""

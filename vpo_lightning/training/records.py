@@ -25,17 +25,17 @@ from typing import Any
 from urllib.parse import urlparse
 
 from vpo_lightning.core.types import DERIVED
+from vpo_lightning.tasks import prompt_lists_tools
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# built-in tasks whose prompts already list the record's tools in the system message (ToolRL format)
-_TOOLS_IN_PROMPT_TASKS = frozenset({"tooluse"})
 
 
 def template_tools(record: Mapping[str, Any]) -> list[dict] | None:
     """The tools to give the chat template for ``record``: its ``tools`` (TRL), except for built-in tasks whose
-    prompt text lists them already (``task: tooluse``)."""
-    if record.get("task") in _TOOLS_IN_PROMPT_TASKS:
+    prompt text lists them already (:func:`vpo_lightning.tasks.prompt_lists_tools`, e.g. tool use)."""
+    task = record.get("task")
+    if isinstance(task, str) and prompt_lists_tools(task):
         return None
     return record.get("tools") or None
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,27 +21,17 @@ import lightning as L
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch import Tensor
 
-from vpo_lightning.core import metrics
-from vpo_lightning.core.advantages import ESTIMATORS, max_at_k_default, set_rewards
-from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings, fill_batch
+from vpo_lightning.core.dynamic_sampling import DynamicSamplingSettings
+from vpo_lightning.core.estimators import DEFAULT_ESTIMATOR, EstimatorName
 from vpo_lightning.core.format_check import FormatCheck
-from vpo_lightning.core.protocol import (
-    ChainProtocol,
-    Estimator,
-    build_rollout_tensors,
-    derive_seed,
-    engine_logprob_tensor,
-)
-from vpo_lightning.core.types import Generation, RewardScores, Rollout, Round
+from vpo_lightning.core.types import Rollout
 from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
-from vpo_lightning.generation.models import prompt_token_ids
 from vpo_lightning.training.checkpointing import AdapterCheckpoint, note_sigterm, pause_point, sigterm_pending
 from vpo_lightning.training.progress import action_needed, show_phase
-from vpo_lightning.training.records import template_tools
+from vpo_lightning.training.sampler import Sampler, chain_protocol
 
-__all__ = ["Estimator", "Rollout", "RolloutCallback", "build_rollout_tensors", "derive_seed"]
+__all__ = ["RolloutCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +45,20 @@ def _protocol_field(name: str) -> property:
     return property(lambda self: getattr(self.protocol, name), doc=f"``self.protocol.{name}``")
 
 
+def _sampler_field(name: str) -> property:
+    """An attribute of the callback that is its sampler's ``name`` (settable: tests swap the engine)."""
+    return property(lambda self: getattr(self.sampler, name), lambda self, value: setattr(self.sampler, name, value),
+                    doc=f"``self.sampler.{name}``")
+
+
 class RolloutCallback(L.Callback):
-    """Samples chains with an engine, scores them with the reward vector and computes advantages.
+    """Runs the step's :class:`~vpo_lightning.training.sampler.Sampler` before each batch: samples chains with an
+    engine, scores them with the reward vector and computes advantages.
 
     Args:
         rewards: reward names (or dotted paths) forming the D-dimensional reward vector, in order.
-        estimator: advantage estimator: vpo, or a baseline (grpo, multi_rlvr, random_weight_grpo,
-            goal_conditioned_grpo, max_at_k, gdpo). Chain methods (vpo, multi_rlvr) ask for m answers per chain.
+        estimator: advantage estimator: VPO (the default) or a baseline, a name of the estimator table
+            (:data:`~vpo_lightning.core.estimators.ESTIMATORS`). Chain methods ask for m answers per chain.
         num_candidates: m, answers per chain for chain methods (single-answer methods use 1).
         group_size: G, chains sampled per prompt.
         num_weights: K, Dirichlet weight vectors per prompt group for the VPO set reward.
@@ -92,7 +88,7 @@ class RolloutCallback(L.Callback):
     def __init__(
         self,
         rewards: list[str],
-        estimator: Estimator = "vpo",
+        estimator: EstimatorName = DEFAULT_ESTIMATOR,
         num_candidates: int = 3,
         group_size: int = 8,
         num_weights: int = 100,
@@ -112,19 +108,16 @@ class RolloutCallback(L.Callback):
     ) -> None:
         SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
         self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
-        _validate(estimator, num_candidates, group_size, num_weights, alpha, max_at_k_k)
-        self.max_at_k_k = max_at_k_k
+        self.protocol = chain_protocol(rewards, estimator, num_candidates, group_size, num_weights, alpha, tag_family,
+                                       seed, reward_workers, max_at_k_k)
         if max_generated_tokens is not None and max_generated_tokens < 1:
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
-        self.protocol = ChainProtocol(rewards, estimator, num_candidates, num_weights, alpha, tag_family, seed,
-                                      reward_workers)  # fails fast on a bad reward name
-        self.group_size, self.sampling, self.engine = group_size, sampling, engine
         self.log_samples_every, self.save_completions = log_samples_every, save_completions
         self.max_generated_tokens = max_generated_tokens
         if dynamic_sampling.max_extra_rounds < 0:
             raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
                              f"{dynamic_sampling.max_extra_rounds}")
-        self.dynamic_sampling = dynamic_sampling
+        self.sampler = Sampler(self.protocol, engine, sampling, group_size, max_at_k_k, dynamic_sampling)
         self.generated_tokens = 0  # training tokens generated so far, all ranks; saved in checkpoints
         self._engine_ready = False
         self.format_check = FormatCheck(estimator, self.m, tag_family)  # a run that cannot learn is told so
@@ -138,6 +131,12 @@ class RolloutCallback(L.Callback):
     seed = _protocol_field("seed")
     reward_names = _protocol_field("reward_names")
     reward_vector = _protocol_field("reward_vector")
+    # the sampler's settings (one copy)
+    engine = _sampler_field("engine")
+    sampling = _sampler_field("sampling")
+    group_size = _sampler_field("group_size")
+    max_at_k_k = _sampler_field("max_at_k_k")
+    dynamic_sampling = _sampler_field("dynamic_sampling")
 
     def state_dict(self) -> dict[str, Any]:
         return {"generated_tokens": self.generated_tokens}
@@ -204,6 +203,12 @@ class RolloutCallback(L.Callback):
         if self.save_completions:
             self._save_completions(trainer, batch)
 
+    def card_facts(self) -> dict[str, Any]:
+        """What the adapter's model card reports of this run's rollouts
+        (:func:`vpo_lightning.generation.adapters.run_facts`)."""
+        return {"method": "RL (vpo fit)", "estimator": self.estimator, "reward_dims": list(self.protocol.dim_names),
+                "m": self.m, "G": self.group_size, "tokens_trained": f"{self.generated_tokens} generated"}
+
     @property
     def progress_note(self) -> str | None:
         """What the progress bar shows while the run has no signal (no parsed answer, no reward spread)."""
@@ -246,122 +251,18 @@ class RolloutCallback(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.engine.teardown()
 
-    # ---- the rollout itself -------------------------------------------------------------------------------------
-    def _scalar_view(self, rewards: Tensor) -> Tensor:
-        """For the scalar baselines (grpo, max_at_k) of a task whose f is a weighted mean (rewards registered with
-        ``f_weights``, e.g. MuSiQue): ``[B, G, m, D] -> [B, G, m, 1]`` holding f, whose mean over the one dimension
-        the estimator takes is f itself. Other estimators and plain-mean tasks get ``rewards`` unchanged."""
-        w = torch.tensor(self.reward_vector.f_weights, dtype=rewards.dtype)  # [D]
-        if self.estimator not in ("grpo", "max_at_k") or not bool((w != w[0]).any()):
-            return rewards
-        return (rewards @ (w / w.sum())).clamp(0.0, 1.0).unsqueeze(-1)  # [B, G, m, 1]
-
+    # ---- the rollout itself: the sampler's ----------------------------------------------------------------------
     def rollout(self, pl_module: Any, batch: dict, step: int, rank: int = 0,
                 pool: list[dict] | None = None) -> Rollout:
-        """Sample, score and compute advantages for ``batch``; with dynamic sampling on a training step (step >= 0),
-        refill flat groups with prompts from ``pool`` (the training records; see
-        :mod:`~vpo_lightning.core.dynamic_sampling`) and replace ``batch["records"]``/``["indices"]`` with the groups
-        kept."""
+        """Sample, score and compute advantages for ``batch`` (:meth:`Sampler.sample`); with dynamic sampling on a
+        training step, ``batch["records"]``/``["indices"]`` become the groups kept."""
         records: list[dict] = batch["records"]
-        indices = batch.get("indices", list(range(len(records))))
-        rnd = self._round(pl_module, records, indices, step, rank)
-        dyn: dict[str, float] = {}
-        if self.dynamic_sampling.enabled and step >= 0 and pool:
-            def draw(idx: list[int], r: int) -> Round:
-                return self._round(pl_module, [pool[i] for i in idx], idx, step, rank, r)
-
-            rnd, dyn = fill_batch(rnd, draw, len(pool), len(records), self.dynamic_sampling.max_extra_rounds,
-                                  derive_seed(self.seed, "refill", step, rank))
-            if dyn["dynamic/extra_rounds"] or len(rnd.records) != len(records):
-                # recomputed: gdpo whitens over the whole batch
-                rnd.advantages = self._advantages(rnd.records, rnd.rewards, rnd.mask, rnd.weights, rnd.completion_ids)
-            batch["records"], batch["indices"] = rnd.records, rnd.indices
-        B, G = len(rnd.records), self.group_size
-        gen = Generation(rnd.completion_ids, rnd.texts, rnd.num_tokens, rnd.engine_logprobs)
-        ids, attn, comp, P = build_rollout_tensors(rnd.prompts, gen, G, pl_module.tokenizer.pad_token_id)
-        engine_lp = engine_logprob_tensor(gen, comp)  # [N, L] or None
-        rewards, mask = rnd.rewards.reshape(B * G, self.m, -1), rnd.mask.reshape(B * G, self.m)  # [N, m, D], [N, m]
-        scores = RewardScores(rewards, mask, int(rnd.extra.get("errors", 0)))
-        dim_mask = self.protocol.dim_mask(rnd.records) if self.protocol.reward_vector.variable_dims else None
-        stats = self._metrics(rnd.rewards, rnd.mask, rnd.advantages, rnd.weights, scores, gen,
-                              float(rnd.extra.get("gen_time", 0.0)), dim_mask)
-        if self.m > 1:  # answers dropped as repeats of an earlier answer of their chain, per chain
-            stats["chains/repeated_candidates"] = float(rnd.extra.get("repeats", 0)) / max(1, B * G)
-        if dyn:  # every round's tokens count toward the budget (rollout/tokens); the kept ones are trained on
-            stats.update(dyn)
-            stats["rollout/tokens"] = dyn["dynamic/total_tokens"]
-            stats["rollout/tokens_per_s"] = dyn["dynamic/total_tokens"] / max(stats["rollout/time_s"], 1e-9)
-        return Rollout(ids, attn, comp, P, rnd.advantages.reshape(-1), rewards, mask, rnd.texts,
-                       self.sampling.temperature, self.sampling.max_new_tokens, engine_lp, stats)
-
-    def _round(self, pl_module: Any, records: list[dict], indices: list[int], step: int, rank: int,
-               round_: int = 0) -> Round:
-        """Generate G chains for each of ``records`` and score them (one generation round of a step)."""
-        B, G, tok = len(records), self.group_size, pl_module.tokenizer
-        weights = self.protocol.step_weights(indices, step, records)  # [B, K, D] or None
-        prompts = [prompt_token_ids(tok, self.protocol.messages(r, None if weights is None else weights[b, 0]),
-                                    template_tools(r)) for b, r in enumerate(records)]
-        torch.manual_seed(derive_seed(self.seed, "sample", step, rank, *([round_] if round_ else [])))
         pause_point("generate", step)  # a no-op outside the kill-and-resume tests
-        t0 = time.perf_counter()
-        seeds = [derive_seed(self.seed, "sample", step, idx) for idx in indices]  # per prompt: rank-independent
-        gen = self.engine.generate(pl_module, prompts, G, self.sampling, seeds)
-        gen_time = time.perf_counter() - t0
-        split = [self.protocol.training_candidates(t) for t in gen.texts]
-        cands = [c for c, _ in split]  # [N][m], repeated answers of a chain dropped (they count once)
-        samples = [r for r in records for _ in range(G)]
-        scores = self.protocol.score(cands, samples)
-        rewards = scores.rewards.view(B, G, self.m, -1)  # [B, G, m, D]
-        mask = scores.mask.view(B, G, self.m)  # [B, G, m]
-        adv = self._advantages(records, rewards, mask, weights, gen.completion_ids)  # [B, G]
-        return Round(list(records), list(indices), prompts, gen.completion_ids, gen.texts, rewards, mask, adv,
-                     weights, gen.num_tokens, gen.engine_logprobs,
-                     {"gen_time": gen_time, "errors": scores.num_errors, "repeats": sum(n for _, n in split)})
-
-    def _advantages(self, records: list[dict], rewards: Tensor, mask: Tensor, weights: Tensor | None,
-                    completion_ids: list[list[int]]) -> Tensor:
-        """The estimator on ``rewards [B, G, m, D]``: with each record's real dimensions (per-row D), max@k's k,
-        and GDPO's per-rollout token counts (it whitens token-weighted). ``[B, G]``."""
-        extra: dict[str, Any] = {}
-        if self.protocol.reward_vector.variable_dims:
-            extra["dim_mask"] = self.protocol.dim_mask(records)  # [B, D]
-        if self.estimator == "max_at_k":
-            extra["k"] = self.max_at_k_k
-        if self.estimator == "multi_rlvr":
-            extra["vector_repeats"] = self.protocol.vector_repeats
-        if self.estimator == "gdpo":
-            extra["token_counts"] = torch.tensor([len(c) for c in completion_ids],
-                                                 dtype=torch.float32).view(mask.shape[:2])  # [B, G]
-        return ESTIMATORS[self.estimator](self._scalar_view(rewards), mask, weights=weights,
-                                          num_weights=self.num_weights, alpha=self.alpha, **extra)
-
-    def _metrics(self, rewards: Tensor, mask: Tensor, adv: Tensor, weights: Tensor | None, scores: RewardScores,
-                 gen: Generation, gen_time: float, dim_mask: Tensor | None = None) -> dict[str, float]:
-        B, G, m, D = rewards.shape
-        present = mask.float()  # [B, G, m]
-        group_dims = None if dim_mask is None else dim_mask[:, None, :].expand(B, G, D)  # [B, G, D]
-        out = metrics.reward_means(rewards, mask, self.reward_vector.dim_names, group_dims)  # all and parsed only
-        real = torch.ones(B, 1, 1, D) if dim_mask is None else dim_mask[:, None, None, :].float()  # [B, 1, 1, D]
-        f = (rewards * real).sum(-1) / real.sum(-1)  # [B, G, m] mean over the real dimensions
-        out["reward/best_in_chain"] = float(f.max(-1).values.mean())
-        if weights is not None and self.estimator == "vpo":
-            out["reward/set"] = float(set_rewards(rewards, weights, mask).mean())
-        out["adv/mean"], out["adv/std"] = float(adv.mean()), float(adv.std(correction=0))
-        out["adv/abs_max"] = float(adv.abs().max())
-        out["frac_zero_std_groups"] = float((adv.abs().amax(dim=1) == 0).float().mean())
-        out["chains/parse_rate"] = float(mask.any(-1).float().mean())
-        out["chains/valid_candidates"] = float(present.sum(-1).mean())
-        pool = rewards.reshape(B, G * m, D)  # [B, G*m, D]
-        out["diversity/within_group"] = metrics.pairwise_l1_diversity(pool, mask.reshape(B, G * m))
-        if m > 1:
-            out["diversity/within_chain"] = metrics.within_chain_diversity(rewards.reshape(B * G, m, D)[None],
-                                                                           mask.reshape(1, B * G, m))
-        out["rollout/tokens"] = float(gen.num_tokens)
-        out["rollout/tokens_per_s"] = gen.num_tokens / max(gen_time, 1e-9)
-        out["rollout/time_s"] = gen_time
-        out["rollout/mean_length"] = gen.num_tokens / max(1, B * G)
-        out["reward/errors"] = float(scores.num_errors)
-        return out
+        rnd = self.sampler.sample(pl_module, records, batch.get("indices", list(range(len(records)))), step, rank,
+                                  pool)
+        if "dynamic" in rnd.extra:
+            batch["records"], batch["indices"] = rnd.records, rnd.indices
+        return self.sampler.rollout(rnd, pl_module.tokenizer.pad_token_id)
 
     def _save_completions(self, trainer: L.Trainer, batch: dict) -> None:
         ro: Rollout = batch["rollout"]
@@ -393,25 +294,3 @@ class RolloutCallback(L.Callback):
             lines.append(f"| {i} | {rid} | {snippet} | {vecs} |")
         writer.add_text("samples", "\n".join(lines), global_step=trainer.global_step)
 
-
-def _validate(estimator: str, m: int, group_size: int, num_weights: int, alpha: float, k: int | None = None) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"rollout.estimator={estimator!r} is not one of {sorted(ESTIMATORS)}")
-    if m < 1:
-        raise ValueError(f"rollout.num_candidates (m) must be >= 1, got {m}")
-    if group_size < 2:
-        raise ValueError(
-            f"rollout.group_size (G) must be >= 2: every estimator normalises within a group of chains, "
-            f"got {group_size}"
-        )
-    if num_weights < 1:
-        raise ValueError(f"rollout.num_weights (K) must be >= 1, got {num_weights}")
-    if not alpha > 0:
-        raise ValueError(f"rollout.alpha (Dirichlet concentration) must be > 0, got {alpha}")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"rollout.max_at_k_k must be null or a positive int, got {k!r}")
-    if estimator == "max_at_k" and (k or max_at_k_default(group_size)) >= group_size:
-        shown = f"rollout.max_at_k_k={k}" if k else f"the default k = max(2, G // 2) = {max_at_k_default(group_size)}"
-        raise ValueError(f"max_at_k needs k < rollout.group_size, got {shown} with group_size={group_size}: at "
-                         "k >= G every rollout's contribution is the group maximum and all advantages are 0. Raise "
-                         "rollout.group_size (>= 3 for the default k) or set rollout.max_at_k_k below it")

@@ -15,6 +15,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The system message lists the record's tools (ToolRL format), so the chat template must not list them again
+# (vpo_lightning.tasks.prompt_lists_tools).
+PROMPT_LISTS_TOOLS = True
+
 # BFCL type name -> JSON-schema type name; None drops the "type" key ("any" has no JSON-schema type).
 _TYPE_MAP: dict[str, str | None] = {"dict": "object", "float": "number", "tuple": "array", "any": None}
 

@@ -102,6 +102,7 @@ def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
     import torch
 
     from vpo_lightning.core.chains import parse_chain
+    from vpo_lightning.core.estimators import get_estimator
     from vpo_lightning.core.metrics import pass_at_k_curve
 
     report = json.loads((eval_dir / "eval.json").read_text(encoding="utf-8"))
@@ -111,7 +112,7 @@ def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
     for line in (eval_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         chains.setdefault(row["id"], []).append(row["text"])
-    m, chained = int(report["m"]), report["estimator"] in ("vpo", "multi_rlvr")
+    m, chained = int(report["m"]), get_estimator(report["estimator"]).chained
     prompts, solved, best_rows, per_cat = [], [], [], {}
     gen = torch.Generator().manual_seed(int(report.get("seed", 0)))
     for p in report["prompts"]:

@@ -66,3 +66,11 @@ def test_a_dead_link_is_reported(tmp_path, monkeypatch):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(page):
     assert not dead_links(page), "\n".join(dead_links(page))
+
+
+def test_the_readme_is_a_guide_of_at_most_350_lines():
+    """Issue 52: the README is a guide (first command before install details); reports live in docs/RESULTS.md."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 350
+    assert text.index("make fit") < text.index("requirements/README.md")
+    assert "docs/RESULTS.md" in text

@@ -102,7 +102,7 @@ class Engine:
         """Told, before ``setup``, the largest step the run asks for (engines that size buffers by it read it)."""
         self.shape = shape
 
-    def setup(self, module: Any) -> None:  # noqa: B027 - optional hook
+    def setup(self, module: Any) -> None:
         """Build heavy state (called by the rollout callback's setup hook, never in ``__init__``)."""
 
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
@@ -111,10 +111,10 @@ class Engine:
         make each prompt's samples independent of the batch layout."""
         raise NotImplementedError
 
-    def sync(self, module: Any) -> None:  # noqa: B027 - optional hook
+    def sync(self, module: Any) -> None:
         """Push the policy's new weights to the engine (no-op when the engine uses the training model)."""
 
-    def teardown(self) -> None:  # noqa: B027 - optional hook
+    def teardown(self) -> None:
         """Release engine resources."""
 
 

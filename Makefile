@@ -50,8 +50,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# ruff's rules and mypy's packages are set in pyproject.toml ([tool.ruff.lint], [tool.mypy]); .ci/run runs this first
 lint: $(STAMP)
 	$(VENV)/bin/ruff check vpo_lightning tests benchmarks
+	$(VENV)/bin/mypy
 
 # Re-resolve the locks after a change to pyproject.toml or requirements/*.in, keeping every pin that still fits.
 lock: $(STAMP)
@@ -65,4 +67,4 @@ upgrade:
 	$(MAKE) test-fast
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openevolve_code import REPO, ServeProcess  # noqa: E402 - benchmarks/ is not a package
+from openevolve_code import REPO, ServeProcess
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain what a hash map is in two sentences.",

@@ -37,6 +37,7 @@ OUTDIR, whose files come back from the lent machine (report.json, report.md, log
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -417,10 +418,8 @@ def worker_dtypes(spec: str, out: Path) -> None:
             f"--model.model.dtype={dtype}"]
     if four_bit == "1":
         args += ["--model.model.load_in_4bit=true", "--model.model.bnb_compute_dtype=bf16"]
-    try:
+    with contextlib.suppress(Stop):
         vpo_main(args)
-    except Stop:
-        pass
     out.write_text(json.dumps(seen))
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from maze_report import CHAIN, chain_metrics, curves  # noqa: E402
+from maze_report import CHAIN, chain_metrics, curves
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -33,6 +33,7 @@ stops), so the table also lists the mean completion length of each side.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -174,10 +175,8 @@ def _versions() -> dict[str, str]:
 
     out = {}
     for name in ("torch", "transformers", "peft", "accelerate", "lightning", "trl"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
     return out
 
 

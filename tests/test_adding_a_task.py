@@ -23,7 +23,7 @@ BLOCK = re.compile(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", re.DOTALL)
 @pytest.fixture
 def toy_task(tmp_path, monkeypatch):
     """Write the doc's files under tmp_path and put its tasks folder on vpo_lightning.tasks' search path."""
-    files = {path: body for path, body in BLOCK.findall(DOC.read_text(encoding="utf-8"))}
+    files = dict(BLOCK.findall(DOC.read_text(encoding="utf-8")))
     assert set(files) == {"vpo_lightning/tasks/addition/__init__.py", "vpo_lightning/tasks/addition/reward.py",
                           "vpo_lightning/tasks/addition/build.py", "configs/addition.yaml"}
     for path, body in files.items():

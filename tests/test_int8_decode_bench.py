@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from int8_decode import DynamicInt8Linear, WeightOnlyInt8Linear  # noqa: E402
+from int8_decode import DynamicInt8Linear, WeightOnlyInt8Linear
 
 
 def _operands():

@@ -198,7 +198,7 @@ def test_task_names_appear_only_under_tasks():
     demonstration builders, whether its prompt lists the tools) it finds through the task's registrations."""
     assert {"maze", "tooluse"} <= set(TASKS)
     problems = []
-    for module, path in MODULES.items():
+    for path in MODULES.values():
         rel = str(path.relative_to(REPO))
         if rel.startswith("vpo_lightning/tasks/"):
             continue

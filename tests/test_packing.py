@@ -90,8 +90,10 @@ def test_packed_logprobs_entropy_and_reference_equal_plain(attn):
     assert len(packed) == 3  # prompts 0 and 2 are identical: 8 chains -> rows of 5 + 3, prompt 1: 4
     with torch.no_grad():
         for which in (0, 1):  # log-probs, entropy
-            a = _scatter(module, packed, ro, lambda mb: module.completion_logprobs(module.policy, mb, 0.7, True)[which])
-            b = _scatter(module, plain, ro, lambda mb: module.completion_logprobs(module.policy, mb, 0.7, True)[which])
+            def part(mb, w=which):
+                return module.completion_logprobs(module.policy, mb, 0.7, True)[w]
+
+            a, b = _scatter(module, packed, ro, part), _scatter(module, plain, ro, part)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         a = _scatter(module, packed, ro, lambda mb: module.reference_logprobs(mb, 1.0))
         b = _scatter(module, plain, ro, lambda mb: module.reference_logprobs(mb, 1.0))

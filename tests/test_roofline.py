@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import roofline  # noqa: E402
+import roofline
 
 # 1 layer, 1 head of dim 2, 10 linear parameters, a 6-parameter LM head
 SHAPE = roofline.Shape(layers=1, heads=1, kv_heads=1, head_dim=2, linear_params=10, head_params=6)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import run_summary  # noqa: E402
+import run_summary
 
 
 def _write(run: Path, values: dict[str, list[tuple[int, float]]], mtime: float) -> None:

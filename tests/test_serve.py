@@ -359,7 +359,7 @@ def test_any_json_in_any_field_is_a_4xx_or_valid():
               "ignore_eos", "stop", "seed", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
               "parallel_tool_calls", "response_format", "logit_bias", "presence_penalty", "store", "user", "x"]
     body = st.fixed_dictionaries({"messages": st.lists(message, max_size=2) | value},
-                                 optional={name: value for name in fields})
+                                 optional=dict.fromkeys(fields, value))
     models = {"base": False, "vpo": True}
 
     @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

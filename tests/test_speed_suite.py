@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import cpuload  # noqa: E402
-import speed_summary  # noqa: E402
-import vs_trl  # noqa: E402
+import cpuload
+import speed_summary
+import vs_trl
 
 
 def _side(median, first, lower=False, timed_out=0):

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import vs_trl  # noqa: E402
+import vs_trl
 
-from vpo_lightning.training.module import OptimSettings  # noqa: E402
+from vpo_lightning.training.module import OptimSettings
 
 SPEC = {"prompts_per_step": 2, "group_size": 8, "lr": 1e-4, "beta": 1e-3, "max_new_tokens": 128,
         "micro_batch_size": 8, "logprob_chunk_size": 1024}

@@ -378,10 +378,7 @@ def kv_bytes_per_token(plan: Plan, arch: Arch) -> int:
 def vllm_parts(plan: Plan, arch: Arch) -> dict[str, float]:
     """What vLLM holds inside its reservation before the KV cache (bytes); the KV cache gets the rest."""
     wb = _BYTES[plan.dtype]
-    if plan.load_in_4bit:
-        weights = arch.linear_params * 0.516 + arch.other_params * wb
-    else:
-        weights = arch.params * wb
+    weights = arch.linear_params * 0.516 + arch.other_params * wb if plan.load_in_4bit else arch.params * wb
     # the LoRA slots: one adapter of max_lora_rank on every linear layer, in the compute dtype
     slots = arch.layers * sum(plan.vllm_lora_rank * (a + b) for a, b in arch.linear_shapes().values()) * wb
     tokens = plan.vllm_batched_tokens
@@ -447,7 +444,7 @@ def suggest(plan: Plan, arch: Arch, capacity: float, device: str, headroom: floa
     chains = plan.batch_size * plan.group_size
     if plan.share_prompt:  # a packed row holds chains of one group only: a bigger micro-batch changes nothing
         chains = plan.group_size
-    sizes = sorted({min(chains, 2**k) for k in range(0, 11)} | {min(plan.micro_batch_size, chains)}, reverse=True)
+    sizes = sorted({min(chains, 2**k) for k in range(11)} | {min(plan.micro_batch_size, chains)}, reverse=True)
     chunks = [c for c in (4096, 2048, 1024, 512, 256, 128) if c <= max(plan.logprob_chunk_size, 1024)]
     for gc in ([plan.gradient_checkpointing] + ([True] if not plan.gradient_checkpointing else [])):
         for mb in sizes:

@@ -20,6 +20,7 @@ step use the sample std (ddof 1); GDPO's batch whitening is token-weighted.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -152,7 +153,7 @@ def _sample_log_gamma(shape: tuple[int, ...], alpha: float, generator: torch.Gen
     draws Gamma(alpha + 1) * U^(1/alpha), kept in log space so tiny alphas do not underflow to an all-zero row.
     """
     device = generator.device if generator is not None else torch.device("cpu")
-    kw = {"generator": generator, "dtype": torch.float64, "device": device}
+    kw: dict[str, Any] = {"generator": generator, "dtype": torch.float64, "device": device}
     a = alpha + 1.0 if alpha < 1.0 else alpha
     d = a - 1.0 / 3.0
     c = 1.0 / math.sqrt(9.0 * d)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -72,10 +73,10 @@ def concat_groups(rounds: Sequence[Round], keep: Sequence[tuple[int, int]], grou
     completion = [c for rd, b in rows for c in rd.completion_ids[b * G : (b + 1) * G]]
     weights = None
     if rounds[0].weights is not None:
-        weights = torch.stack([rd.weights[b] for rd, b in rows])  # [B', K, D]
+        weights = torch.stack([cast(Tensor, rd.weights)[b] for rd, b in rows])  # [B', K, D]; all rounds have them
     engine_lp = None
     if rounds[0].engine_logprobs is not None:
-        engine_lp = [lp for rd, b in rows for lp in rd.engine_logprobs[b * G : (b + 1) * G]]
+        engine_lp = [lp for rd, b in rows for lp in cast(list[list[float]], rd.engine_logprobs)[b * G : (b + 1) * G]]
     return Round(
         records=[rd.records[b] for rd, b in rows], indices=[rd.indices[b] for rd, b in rows],
         prompts=[rd.prompts[b] for rd, b in rows], completion_ids=completion,

@@ -116,11 +116,11 @@ class ChainProtocol:
             return None
         per_step = self.method.weights == "step"
         given = records is not None
-        records = list(records) if given else [{} for _ in indices]
+        records = list(records) if records is not None else [{} for _ in indices]
         if len(records) != len(indices):
             raise ValueError(f"step_weights got {len(indices)} indices but {len(records)} records")
         if per_step:
-            keys = [(self.seed, step, idx) for idx in indices]
+            keys: list[tuple[Any, ...]] = [(self.seed, step, idx) for idx in indices]
         else:
             keys = [(self.seed, "row-weights", self.row_key(r, idx)) for r, idx in zip(records, indices)]
         k = self.num_weights if per_step else 1

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vpo_lightning.generation import HFModel
+
 NAME = "vpo_sdpa"
 
 
@@ -173,7 +175,7 @@ def register() -> str:
     return NAME
 
 
-def use_vpo_attention(model: nn.Module) -> bool:
+def use_vpo_attention(model: HFModel) -> bool:
     """Switch a model loaded with ``attn_implementation="sdpa"`` to :func:`vpo_sdpa` (transformers'
     ``set_attn_implementation``); returns whether it did. SDPA computes everything :func:`vpo_sdpa` does not do
     itself, so outputs stay SDPA's up to summation order."""

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vpo_lightning.generation import HFModel
+
 
 def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """``logits / temperature`` with the tokens outside top-k and outside the top-p nucleus set to -inf, as
@@ -103,7 +105,7 @@ def merged_weight(layer: Any) -> Tensor:
 
 
 @contextlib.contextmanager
-def merged_lora(model: nn.Module) -> Iterator[bool]:
+def merged_lora(model: HFModel) -> Iterator[bool]:
     """Within the block, ``model`` runs with its active LoRA adapters merged into copies of the base weights and the
     adapter layers disabled: one matmul per linear layer instead of three, no dtype casts between a float32
     adapter and a bf16 base (:func:`merged_weight`). On exit the original weight tensors are put back (bitwise
@@ -196,7 +198,9 @@ def prepacked_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any]
                 packed = prepack_linear_weight(weights[mod]() if mod in weights else mod.weight, rows)
                 if packed is None:
                     continue
-                mod.forward = functools.partial(_packed_linear, packed, mod.weight.dtype, mod.bias)
+                # an instance attribute over the class method; deleted in finally
+                mod.forward = functools.partial(  # type: ignore[method-assign]
+                    _packed_linear, packed, mod.weight.dtype, mod.bias)
                 switched.append(mod)
         yield len(switched)
     finally:
@@ -205,7 +209,7 @@ def prepacked_linears(model: nn.Module, rows: int, weights: dict[nn.Module, Any]
 
 
 @contextlib.contextmanager
-def fast_linears(model: nn.Module, rows: int, merge: bool = True, prepack: bool = True) -> Iterator[None]:
+def fast_linears(model: HFModel, rows: int, merge: bool = True, prepack: bool = True) -> Iterator[None]:
     """The engine's linear layers for one rollout: the LoRA adapter merged (:func:`merged_lora`) and/or every
     weight prepacked (:func:`prepacked_linears`). With both, each merged weight is packed and dropped at once, so
     the block holds one extra copy of the weights (the packed one), not two."""

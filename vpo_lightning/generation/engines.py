@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from vpo_lightning.core.types import Generation
+from vpo_lightning.generation import HFModel
 from vpo_lightning.generation.threads import adapt_threads, parse_threads
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Engine:
         """Told, before ``setup``, the largest step the run asks for (engines that size buffers by it read it)."""
         self.shape = shape
 
-    def setup(self, module: Any) -> None:  # noqa: B027 - optional hook
+    def setup(self, module: Any) -> None:
         """Build heavy state (called by the rollout callback's setup hook, never in ``__init__``)."""
 
     def generate(self, module: Any, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings,
@@ -111,10 +111,10 @@ class Engine:
         make each prompt's samples independent of the batch layout."""
         raise NotImplementedError
 
-    def sync(self, module: Any) -> None:  # noqa: B027 - optional hook
+    def sync(self, module: Any) -> None:
         """Push the policy's new weights to the engine (no-op when the engine uses the training model)."""
 
-    def teardown(self) -> None:  # noqa: B027 - optional hook
+    def teardown(self) -> None:
         """Release engine resources."""
 
 
@@ -147,7 +147,7 @@ def trim_completion(ids: list[int], eos_ids: set[int], pad_id: int) -> list[int]
     return out
 
 
-def eos_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+def eos_token_ids(model: HFModel, tokenizer: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
@@ -155,14 +155,14 @@ def eos_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
-def accepts_logits_to_keep(model: nn.Module) -> bool:
+def accepts_logits_to_keep(model: HFModel) -> bool:
     """Whether the (PEFT-wrapped) causal LM's forward takes ``logits_to_keep`` (transformers' decoder LMs do)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 @functools.cache
-def preallocated_layer_class() -> type:
+def preallocated_layer_class() -> type[Any]:
     """``PreallocatedKVLayer``: a ``DynamicLayer`` subclass, built on first use (transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
@@ -176,10 +176,15 @@ def preallocated_layer_class() -> type:
         buffer grows (doubling) if a call writes past ``capacity``.
         """
 
+        keys: torch.Tensor  # set by _views once initialised (DynamicLayer says Tensor | None)
+        values: torch.Tensor
+
         def __init__(self, capacity: int) -> None:
             super().__init__()
             self.capacity, self.length = capacity, 0
-            self._k = self._v = None
+            # [rows, kv_heads, capacity, head_dim] buffers from lazy_initialization on (None before)
+            self._k: Any = None
+            self._v: Any = None
 
         @classmethod
         def from_layer(cls, layer: Any, repeats: int, capacity: int) -> Any:
@@ -319,7 +324,7 @@ class TransformersEngine(Engine):
         step = max(1, self.max_batch_size // group_size) if self.max_batch_size else len(prompt_ids)
         return [(prompt_ids[i : i + step], None) for i in range(0, len(prompt_ids), step)]
 
-    def _prefill_once(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
+    def _prefill_once(self, model: HFModel, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                       max_new_tokens: int) -> Any:
         """Run the prompts (all but the last token) once and copy the KV cache to the G chains of each group:
         a group shares its prompt, so the prompt's prefill is not repeated G times."""
@@ -343,7 +348,7 @@ class TransformersEngine(Engine):
             cache.batch_repeat_interleave(group_size)  # [b * G, ...] group-contiguous, like the rows below
         return name, cache
 
-    def _decode(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
+    def _decode(self, model: HFModel, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                 sampling: SamplingSettings, eos: set[int], pad_id: int, fused: Any = None,
                 report: Callable[[int, int], None] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """This engine's decode loop: the shared prefill, then one forward per new token for all ``b * G`` rows
@@ -439,7 +444,7 @@ class TransformersEngine(Engine):
             progress(total, total, num_tokens)
         return Generation(completions, texts, num_tokens, engine_logprobs=logprobs)
 
-    def _generate_call(self, model: nn.Module, tok: Any, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
+    def _generate_call(self, model: HFModel, tok: Any, ids: torch.Tensor, mask: torch.Tensor, group_size: int,
                        sampling: SamplingSettings, eos: set[int]) -> list[list[int]]:
         """One ``model.generate`` call for ``b`` prompts, ``group_size`` rows each (``decode_loop=False``)."""
         extra = {}
@@ -639,7 +644,7 @@ class VLLMEngine(Engine):
 
         if self.adapter_dir is None:
             self._tmp = self._tmp or tempfile.mkdtemp(prefix="vpo-adapter-")
-        root = Path(self.adapter_dir or self._tmp)
+        root = Path(self.adapter_dir or self._tmp or "")  # one of the two is set just above
         self.lora_version += 1
         out = root / f"v{self.lora_version}"
         rank = save_policy_adapter(module.policy, out, getattr(module.model_settings, "adapter", None))
@@ -684,8 +689,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
 
         self.wake()
-        seeds = seeds or [None] * len(prompt_ids)
-        params = [SamplingParams(**self.sampling_params(group_size, sampling, s)) for s in seeds]  # one per prompt
+        per_prompt: list[int | None] = list(seeds) if seeds else [None] * len(prompt_ids)
+        params = [SamplingParams(**self.sampling_params(group_size, sampling, s)) for s in per_prompt]  # one per prompt
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request(), use_tqdm=False,
         )

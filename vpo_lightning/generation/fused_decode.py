@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vpo_lightning.generation import HFModel
 from vpo_lightning.generation.decoding import mergeable_layer, merged_weight, prepack_linear_weight, prepackable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -57,13 +59,13 @@ class FusedLinear:
         self.weight = weight.detach() if self.prepacked is None else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.prepacked is not None:
+        if self.weight is None:  # exactly one of weight and prepacked is set
             return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add(self, x: Tensor, other: Tensor) -> Tensor:
         """``(x @ W.T + b) + other`` (a residual connection)."""
-        if self.prepacked is not None:
+        if self.weight is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.prepacked, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
 
@@ -80,14 +82,17 @@ class FusedLayer:
     down: FusedLinear  # [I] -> [H]
 
 
-def _weight_and_bias(module: nn.Module, merge: bool) -> tuple[Tensor, Tensor | None] | None:
+def _weight_and_bias(module: Any, merge: bool) -> tuple[Tensor, Tensor | None] | None:
     """A projection's effective weight [out, in] and bias: a plain float ``nn.Linear``'s own, or a LoRA layer's base
     weight with its active adapters merged (``merge``); None for anything else (quantized, DoRA, unmerged LoRA)."""
     try:
         from peft.tuners.lora import LoraLayer
+
+        lora_types: tuple[type, ...] = (LoraLayer,)
     except ImportError:  # pragma: no cover - peft is a dependency
-        LoraLayer = ()  # noqa: N806
-    if isinstance(module, LoraLayer):
+        lora_types = ()
+    is_lora = isinstance(module, lora_types)  # (a bool: module stays duck-typed below)
+    if is_lora:
         active = [a for a in module.active_adapters if a in module.lora_A] if not module.disable_adapters else []
         if not active:  # the adapter is off: the base layer as it is
             return _weight_and_bias(module.get_base_layer(), merge)
@@ -97,23 +102,23 @@ def _weight_and_bias(module: nn.Module, merge: bool) -> tuple[Tensor, Tensor | N
     return None
 
 
-def _fused(modules: list[nn.Module], rows: int, merge: bool, prepack: bool) -> FusedLinear | None:
+def _fused(modules: list[Any], rows: int, merge: bool, prepack: bool) -> FusedLinear | None:
     """One :class:`FusedLinear` for projections that read the same input: weights (and biases) stacked by rows."""
     parts = [_weight_and_bias(m, merge) for m in modules]
-    if any(p is None for p in parts):
+    found = [p for p in parts if p is not None]
+    if len(found) != len(parts):
         return None
-    weights = [w for w, _ in parts]
-    biases = [b for _, b in parts]
+    weights = [w for w, _ in found]
+    biases = [b for _, b in found]
+    bias: Tensor | None = None
     if any(b is not None for b in biases):
-        biases = [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
-        bias = torch.cat(biases) if len(biases) > 1 else biases[0]
-    else:
-        bias = None
+        filled = [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+        bias = torch.cat(filled) if len(filled) > 1 else filled[0]
     weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # [sum(out), in]
     return FusedLinear(weight, bias, rows, prepack)
 
 
-def supports(model: nn.Module) -> str | None:
+def supports(model: HFModel) -> str | None:
     """Why :class:`FusedDecoder` cannot run ``model`` (a sentence), or None when it can."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base, "config", None)
@@ -141,7 +146,7 @@ class FusedDecoder:
     docstring). Use: ``build`` (None if unsupported), then ``prefill(ids, mask, group_size, budget)`` once, then
     ``step(tokens, t)`` for t = 0, 1, ... (the first step feeds the prompts' last tokens)."""
 
-    def __init__(self, base: nn.Module, layers: list[FusedLayer], head: FusedLinear) -> None:
+    def __init__(self, base: HFModel, layers: list[FusedLayer], head: FusedLinear) -> None:
         cfg = base.config
         self.embed = base.model.embed_tokens.weight.detach()  # [V, H]
         self.norm = base.model.norm.weight.detach()  # [H]
@@ -156,7 +161,7 @@ class FusedDecoder:
         self.inter = cfg.intermediate_size
 
     @classmethod
-    def build(cls, model: nn.Module, rows: int, merge: bool = True, prepack: bool = True) -> FusedDecoder | None:
+    def build(cls, model: HFModel, rows: int, merge: bool = True, prepack: bool = True) -> FusedDecoder | None:
         """The decoder for ``model`` (a transformers Llama-family model, optionally a PEFT LoRA model: the adapter
         is merged) with weights prepacked for ``rows`` rows; None if :func:`supports` says no or a projection is not
         a plain float linear layer (quantized, DoRA, or LoRA with ``merge=False``)."""
@@ -167,14 +172,14 @@ class FusedDecoder:
         with torch.no_grad():
             for layer in base.model.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                parts = (_fused([att.q_proj, att.k_proj, att.v_proj], rows, merge, prepack),
-                         _fused([att.o_proj], rows, merge, prepack),
-                         _fused([mlp.gate_proj, mlp.up_proj], rows, merge, prepack),
-                         _fused([mlp.down_proj], rows, merge, prepack))
-                if any(p is None for p in parts):
+                qkv, out, gate_up, down = (_fused([att.q_proj, att.k_proj, att.v_proj], rows, merge, prepack),
+                                           _fused([att.o_proj], rows, merge, prepack),
+                                           _fused([mlp.gate_proj, mlp.up_proj], rows, merge, prepack),
+                                           _fused([mlp.down_proj], rows, merge, prepack))
+                if qkv is None or out is None or gate_up is None or down is None:
                     return None
                 layers.append(FusedLayer(layer.input_layernorm.weight.detach(),
-                                         layer.post_attention_layernorm.weight.detach(), *parts))
+                                         layer.post_attention_layernorm.weight.detach(), qkv, out, gate_up, down))
             head = _fused([base.lm_head], rows, merge, prepack)
         if head is None:
             return None

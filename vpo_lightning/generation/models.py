@@ -35,6 +35,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from vpo_lightning.generation import HFModel
+
 log = logging.getLogger(__name__)
 
 ALIASES: dict[str, tuple[str, str]] = {
@@ -191,8 +193,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        if getattr(model, "hf_quantizer", None) is not None:  # GGUF-loaded models refuse save_pretrained otherwise
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:  # GGUF-loaded models refuse save_pretrained otherwise
+            quantizer.remove_quantization_config(model)
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         if out.exists():  # another process finished first
@@ -356,7 +359,7 @@ def load_base_model(settings: ModelSettings, device: torch.device | str | None =
         kwargs["dtype"] = _DTYPES[settings.bnb_compute_dtype]
         if device is not None:
             kwargs["device_map"] = {"": device}
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(settings.name), **kwargs)
+    model: HFModel = AutoModelForCausalLM.from_pretrained(resolve_model_path(settings.name), **kwargs)
     if settings.adapter:
         model = merge_adapter(model, settings.adapter)
     if settings.load_in_4bit and torch.device(device or "cpu").type == "cpu":
@@ -400,7 +403,7 @@ def merge_adapter(model: nn.Module, path: str) -> nn.Module:
     return peft_model.merge_and_unload()
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def enable_activation_checkpointing(model: HFModel) -> None:
     """Recompute activations in backward (non-reentrant). transformers renamed ``gradient_checkpointing_enable`` to
     ``activation_checkpointing_enable`` (the old name warns); use the new name where it exists."""
     new = getattr(model, "activation_checkpointing_enable", None)
@@ -443,7 +446,7 @@ def undo_kbit_upcast(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
             param.data = param.data.to(dtypes[name])
 
 
-def wrap_lora(model: nn.Module, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
+def wrap_lora(model: HFModel, lora: LoraSettings, gradient_checkpointing: bool = False) -> nn.Module:
     """Wrap ``model`` in place with a trainable LoRA adapter (base weights frozen)."""
     four_bit = getattr(model, "is_loaded_in_4bit", False)
     with without_bitsandbytes(active=not four_bit):

@@ -45,7 +45,7 @@ def threads_for_load(allowed: int, others_busy_cores: float, threshold: float = 
     return max(1, allowed - taken)
 
 
-def parse_threads(value: int | str) -> int | str:
+def parse_threads(value: int | float | str) -> int | str:
     """``"auto"`` or a positive thread count (a YAML value may be a string); ValueError naming the fix otherwise."""
     if value == "auto":
         return value
@@ -103,7 +103,7 @@ class ThreadPolicy:
         """Set and return the intra-op thread count for the next rollout and training step."""
         import torch
 
-        if self.setting != "auto":
+        if isinstance(self.setting, int):  # parse_threads gave a count, or "auto"
             threads, others = self.setting, None
         else:
             others = self.others_busy_cores()

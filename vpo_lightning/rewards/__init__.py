@@ -487,7 +487,7 @@ class RewardVector:
                 results = self._call_batch(entry, jobs, samples, errors) if jobs else []
             elif entry.parallel and len(jobs) > 1:
                 with ThreadPoolExecutor(self.max_workers or torch.get_num_threads()) as pool:
-                    results = list(pool.map(lambda job: self._call(entry, job[2], samples[job[0]], errors), jobs))
+                    results = list(pool.map(lambda job, e=entry: self._call(e, job[2], samples[job[0]], errors), jobs))
             else:
                 results = [self._call(entry, c, samples[i], errors) for i, j, c in jobs]
             for (i, j, _), values in zip(jobs, results):

@@ -18,6 +18,7 @@ delegated subtree). :func:`detect` says why not otherwise, and the sandbox logs 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import shlex
@@ -101,10 +102,8 @@ def _kill_all(folder: str) -> None:
     except (OSError, ValueError):
         return
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _rmdir(folder: str, tries: int = 20) -> bool:
@@ -227,7 +226,8 @@ def reap_stale(parents: tuple[str, ...], within: float = _REAP_WAIT_S) -> list[s
         for run in (run for base in stale for run in _runs(base)):
             _kill_all(run)
         for base in stale:
-            if all([_rmdir(run, tries=1) for run in _runs(base)]) and _rmdir(base, tries=1):
+            runs_gone = [_rmdir(run, tries=1) for run in _runs(base)]  # every run is tried, none short-circuits
+            if all(runs_gone) and _rmdir(base, tries=1):
                 removed.append(base)
         left = [base for base in stale if os.path.isdir(base)]
         if not left or time.monotonic() >= end:

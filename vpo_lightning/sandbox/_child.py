@@ -13,6 +13,7 @@ switch it off, and it sees the path strings the operation will use; a candidate 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -41,10 +42,8 @@ def set_limits(cpu_s: int, mem_mb: int, nproc: int, fsize_mb: int, nofile: int) 
     for res, soft, hard in ((r.RLIMIT_CORE, 0, 0), (r.RLIMIT_CPU, cpu_s, cpu_s + 1),
                             (r.RLIMIT_AS, mem_mb << 20, mem_mb << 20), (r.RLIMIT_FSIZE, fsize_mb << 20, fsize_mb << 20),
                             (r.RLIMIT_NOFILE, nofile, nofile), (r.RLIMIT_NPROC, nproc, nproc)):
-        try:
+        with contextlib.suppress(ValueError, OSError):
             r.setrlimit(res, (soft, hard))
-        except (ValueError, OSError):
-            pass
 
 
 def install_guard(root: str) -> None:

@@ -60,7 +60,7 @@ class _Decoder:
             return tuple(v)
         if tag == "d":
             self.check(k for k, _ in v)
-            return {k: x for k, x in v}
+            return {k: x for k, x in v}  # noqa: C416 - dict(v) would pass a dict v unchecked
         if tag in ("s", "f"):
             self.check(v)
             return set(v) if tag == "s" else frozenset(v)

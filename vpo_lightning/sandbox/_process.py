@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -197,14 +198,10 @@ class _Child:
                 return
             except subprocess.TimeoutExpired:
                 pass
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
     def close(self, grace_s: float = 0.0) -> None:
         """Close stdin and give it ``grace_s`` to exit, kill it if still running, close the pipes, remove the
@@ -221,10 +218,8 @@ class _Child:
             _LIVE.discard(self)
         for stream in (proc.stdin, proc.stdout, proc.stderr) if proc else ():
             if stream is not None:
-                try:
+                with contextlib.suppress(OSError):
                     stream.close()
-                except OSError:
-                    pass
         if self.res_r is not None:
             os.close(self.res_r)
             self.res_r = None
@@ -289,10 +284,8 @@ class _Pump:
 
     def _close_stdin(self) -> None:
         self._toggle_stdin(False)
-        try:
+        with contextlib.suppress(OSError):
             self.child.proc.stdin.close()
-        except OSError:
-            pass
         self.stdin_fd = -1
 
     def _read(self, fd: int) -> str | None:

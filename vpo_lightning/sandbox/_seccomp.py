@@ -120,7 +120,7 @@ def _ret(value: int) -> bytes:
 
 def _segments() -> list[tuple[int, int]]:
     """(first number, action) for consecutive ranges of system-call numbers covering 0..2**32-1."""
-    action = {nr: _ALLOW for nr in X86_64_ALLOW.values()} | {nr: _ERRNO | _EPERM for nr in X86_64_DENY.values()}
+    action = dict.fromkeys(X86_64_ALLOW.values(), _ALLOW) | dict.fromkeys(X86_64_DENY.values(), _ERRNO | _EPERM)
     segments: list[tuple[int, int]] = []
     for nr in range(max(action) + 2):
         act = action.get(nr, _ERRNO | _ENOSYS)

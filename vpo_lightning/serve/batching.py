@@ -337,7 +337,7 @@ class BatchGenerator:
                 continue
             try:
                 results = self.run_batch(jobs)
-            except Exception as err:  # noqa: BLE001 - one failed batch must not stop the server
+            except Exception as err:  # one failed batch must not stop the server
                 log.exception("generate failed for a batch of %d requests", len(jobs))
                 self.stats["errors"] += 1
                 error = APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")

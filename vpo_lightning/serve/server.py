@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -284,10 +285,8 @@ class _ToLoop:
         self.loop, self.events = loop, events
 
     def put(self, item: Any) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server stopped
-            pass
 
 
 class _QuietLog:
@@ -830,7 +829,7 @@ class OpenAIServer:
         except (_ClientGone, ClientDisconnect):
             self.count_disconnect()
             return _NoAnswer()
-        except Exception as err:  # noqa: BLE001 - report, keep serving
+        except Exception as err:  # report, keep serving
             log.exception("request failed")
             return self._error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
 

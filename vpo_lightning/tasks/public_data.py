@@ -52,7 +52,7 @@ def from_hub(load: Callable[[], Any], task: str, files: Sequence[str], url: str,
         raise DataUnavailable(missing_data_message(task, files, url, dest, reason))
     try:
         return load()
-    except Exception as err:  # noqa: BLE001 - network, auth, missing repo: all mean "get the files by hand"
+    except Exception as err:  # network, auth, missing repo: all mean "get the files by hand"
         why = f"loading it from the hub failed ({type(err).__name__}: {str(err)[:200]})"
         raise DataUnavailable(missing_data_message(task, files, url, dest, why)) from err
 

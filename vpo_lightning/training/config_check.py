@@ -9,6 +9,7 @@ accelerator, flash-attention, vLLM) before anything heavy is loaded, and says wh
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
@@ -235,10 +236,8 @@ def _yaml_lines(path: str) -> dict[str, tuple[Any, int]]:
             out[prefix[:-1]] = (yaml.safe_load(node.value) if node.style is None else node.value,
                                 node.start_mark.line + 1)
 
-    try:
+    with contextlib.suppress(OSError, yaml.YAMLError):
         walk(yaml.compose(Path(path).read_text(encoding="utf-8")), "")
-    except (OSError, yaml.YAMLError):
-        pass
     return out
 
 

@@ -292,9 +292,9 @@ def check_maze(maze: Maze) -> list[str]:
 def render_maze(maze: Maze) -> str:
     """The maze as text: a legend, the grid with row/column numbers, and the feature coordinates."""
     symbols = {maze.start: "S", maze.exit: "E"}
-    symbols.update({c: "$" for c in maze.gold})
-    symbols.update({c: "*" for c in maze.diamond})
-    symbols.update({c: "~" for c in maze.lava})
+    symbols.update(dict.fromkeys(maze.gold, "$"))
+    symbols.update(dict.fromkeys(maze.diamond, "*"))
+    symbols.update(dict.fromkeys(maze.lava, "~"))
     n = len(maze.grid)
     lines = ["Legend: # wall, . floor, S start, E exit, $ gold, * diamond, ~ lava", "",
              "    " + " ".join(str(c) for c in range(n))]

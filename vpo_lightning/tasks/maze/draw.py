@@ -21,9 +21,9 @@ _ROUTE_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b
 
 def _image(maze: Maze) -> list[list[tuple[float, float, float]]]:
     kinds = {maze.start: "start", maze.exit: "exit"}
-    kinds.update({c: "gold" for c in maze.gold})
-    kinds.update({c: "diamond" for c in maze.diamond})
-    kinds.update({c: "lava" for c in maze.lava})
+    kinds.update(dict.fromkeys(maze.gold, "gold"))
+    kinds.update(dict.fromkeys(maze.diamond, "diamond"))
+    kinds.update(dict.fromkeys(maze.lava, "lava"))
     return [[_COLORS["wall" if ch == WALL else kinds.get((r, c), "floor")] for c, ch in enumerate(row)]
             for r, row in enumerate(maze.grid)]
 

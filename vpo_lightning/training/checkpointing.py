@@ -82,13 +82,15 @@ class _SignalNotes(signal_connector._SignalConnector):
 def use_collective_sigterm(trainer: L.Trainer) -> None:
     """Give ``trainer`` the connector of :class:`_SignalNotes`; from a callback's ``setup``, before Lightning registers
     its handlers (it restores the previous ones at teardown, as always)."""
-    if not isinstance(trainer._signal_connector, _SignalNotes):
+    connector = getattr(trainer, "_signal_connector", None)  # absent on a stand-in trainer (tests)
+    if connector is not None and not isinstance(connector, _SignalNotes):
         trainer._signal_connector = _SignalNotes(trainer)
 
 
 def sigterm_pending(trainer: L.Trainer) -> bool:
     """Whether this rank got a SIGTERM (agreed on or not yet): a rank's reason to cut its rollout short."""
-    return bool(getattr(trainer, "received_sigterm", False) or getattr(trainer._signal_connector, "pending", False))
+    connector = getattr(trainer, "_signal_connector", None)
+    return bool(getattr(trainer, "received_sigterm", False) or getattr(connector, "pending", False))
 
 
 def agree_on_sigterm(trainer: L.Trainer, got_it: bool = False) -> bool:

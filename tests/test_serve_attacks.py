@@ -297,6 +297,15 @@ def post(body, length=None):
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
             + str(len(body) if length is None else length).encode() + b"\r\n\r\n" + body)
 
+def read_answers(s, n):
+    # read until n responses have arrived (or the flood's time is up); a closed connection ends the round
+    got = b""
+    while got.count(b"HTTP/1.1 ") < n and time.monotonic() < stop:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            raise OSError
+        got += chunk
+
 def pipeline():
     # thousands of empty messages: 0 content characters, a long rendered prompt; 8 pipelined per round
     body = json.dumps({"messages": [{"role": "user", "content": ""}] * 1500, "max_tokens": 1}).encode()
@@ -306,12 +315,7 @@ def pipeline():
             s = connect()
             while time.monotonic() < stop:
                 s.sendall((post(body) + post(short)) * 4)
-                got = b""
-                while got.count(b"HTTP/1.1 ") < 8 and time.monotonic() < stop:
-                    chunk = s.recv(1 << 16)
-                    if not chunk:
-                        raise OSError
-                    got += chunk
+                read_answers(s, 8)
         except OSError:
             pass
 
@@ -356,12 +360,7 @@ def work(source):
             s = connect(source)
             while time.monotonic() < stop:
                 s.sendall(post(body) * 2)
-                got = b""
-                while got.count(b"HTTP/1.1 ") < 2:
-                    chunk = s.recv(1 << 16)
-                    if not chunk:
-                        raise OSError
-                    got += chunk
+                read_answers(s, 2)
         except OSError:
             pass
 

@@ -28,7 +28,7 @@ PACKAGE_LAYERS = {
     "generation": "generation",
     "training": "training", "sft": "training",
     "commands": "commands", "serve": "commands",
-    "__main__": "entry", "launcher": "entry", "api": "entry",
+    "__main__": "entry", "launcher": "entry", "api": "entry", "advantages": "entry",
 }
 # upward imports by design, each with its reason
 ALLOWED_UPWARD = {
@@ -337,7 +337,8 @@ def test_old_module_paths_are_gone_and_saved_class_paths_are_renamed():
 
     from vpo_lightning.training.config import RENAMED_CLASS_PATHS, import_class
 
-    for old in ("advantages", "engines", "models", "rollout", "progress", "evaluate"):
+    # (``vpo_lightning.advantages`` stays: VPO-SPEC section 3 names it, test_the_spec_public_api_keeps_its_path)
+    for old in ("engines", "models", "rollout", "progress", "evaluate"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"vpo_lightning.{old}")
     for old, new in RENAMED_CLASS_PATHS.items():
@@ -349,3 +350,13 @@ def test_python_m_vpo_lightning_is_the_vpo_command():
                           text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: vpo COMMAND") and "\n  replicates " in proc.stdout
+
+
+def test_the_spec_public_api_keeps_its_path():
+    """VPO-SPEC section 3 names ``vpo_lightning/advantages.py``: its four functions import from there, and are the
+    core's own (one implementation)."""
+    import vpo_lightning.advantages as spec
+    from vpo_lightning.core import advantages as core
+
+    for name in ("sample_weights", "set_rewards", "vpo_advantages", "group_normalize"):
+        assert getattr(spec, name) is getattr(core, name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import pkgutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ def prompt_lists_tools(task: str) -> bool:
     """Whether the built-in task ``task`` writes a record's tools into the prompt text itself (its package sets
     ``PROMPT_LISTS_TOOLS = True``), so that the chat template must not be given them again. False for any other
     name (a user's task, no task)."""
-    if task not in {info.name for info in pkgutil.iter_modules(__path__) if info.ispkg}:
+    from vpo_lightning.rewards import builtin_tasks  # the one list of built-in tasks (the folder)
+
+    if task not in builtin_tasks():
         return False
     return bool(getattr(importlib.import_module(f"{__name__}.{task}"), "PROMPT_LISTS_TOOLS", False))

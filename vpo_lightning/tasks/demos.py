@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import pkgutil
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,11 +56,11 @@ def register_demos(name: str, family: str) -> Callable[[Build], Build]:
 def demo_builders() -> dict[str, DemoBuilder]:
     """Every registered builder, the built-in tasks' first (``vpo_lightning.tasks.<name>.demos`` is imported for
     each task package that has one)."""
-    import vpo_lightning.tasks as tasks
+    from vpo_lightning.rewards import builtin_tasks  # the one list of built-in tasks (the folder)
 
-    for info in pkgutil.iter_modules(tasks.__path__):
-        name = f"vpo_lightning.tasks.{info.name}.demos"
-        if info.ispkg and importlib.util.find_spec(name) is not None:
+    for task in builtin_tasks():
+        name = f"vpo_lightning.tasks.{task}.demos"
+        if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
     return DEMO_BUILDERS
 

@@ -22,6 +22,19 @@ MSG = [{"role": "user", "content": "Say something."}]
 VALID = json.dumps({"messages": MSG, "max_tokens": 1, "temperature": 0})
 
 
+class _Scripted:
+    """A stand-in decode group: answers each prefill's jobs at once with ``answer(jobs)`` (no model)."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.jobs, self.size = answer, [], 0
+
+    def add(self, jobs):
+        return list(zip(jobs, self.answer(jobs)))
+
+    def step(self):
+        return []
+
+
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
@@ -138,7 +151,7 @@ def _slow_generator(srv, seconds: float, calls: list):
         time.sleep(seconds)
         return [[Choice("ok", "stop", 1) for _ in range(j.n)] for j in jobs]
 
-    srv.generator.run_batch = run_batch
+    srv.generator.new_group = lambda adapter: _Scripted(run_batch)
 
 
 def test_a_full_queue_is_429_with_retry_after_before_tokenizing(tiny):
@@ -254,30 +267,6 @@ def test_a_slowloris_connection_is_closed_at_the_idle_deadline(tiny):
     finally:
         sock.close()
         srv.close()
-
-
-def test_a_new_client_goes_first(tiny):
-    """The batcher's fair queuing: a client that has been served little goes before older jobs of clients served
-    much, and a hung-up client's job is skipped."""
-    from vpo_lightning.serve import Job, SamplingKey
-
-    srv = build_server(*tiny, base_name="tiny-llama", settings=ServeSettings(max_n=4, max_batch_size=8,
-                                                                              batch_wait_s=0.0), port=0)
-    gen = srv.generator
-    try:
-        heavy = SamplingKey(1.0, 1.0, 0, 32, True, False)
-        light = SamplingKey(0.0, 1.0, 0, 1, False, False)
-        gen._served = {"a": 1000, "b": 950}
-        gen._vtime = 900
-        jobs = [Job([1], 4, heavy, client="a"), Job([1], 4, heavy, client="b"), Job([1], 1, light, client="dropped"),
-                Job([1], 1, light, client="new")]
-        jobs[2].dropped = True
-        gen._pending = list(jobs)
-        assert [j.client for j in gen._take()] == ["new"]  # the hung-up one skipped, the new one first
-        assert jobs[2].future.cancelled()
-        assert [j.client for j in gen._take()] == ["b", "a"]  # then the one served less, with what shares its key
-    finally:
-        srv.server_close()
 
 
 # ---- floods: a valid request answers within a second ------------------------------------------------------------

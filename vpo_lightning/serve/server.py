@@ -247,6 +247,7 @@ GET_ROUTES = ("/v1/models", "/health", "/stats")
 POST_ROUTES = ("/v1/chat/completions",)
 NOT_IMPLEMENTED = ("/v1/completions", "/v1/embeddings", "/v1/responses")
 KNOWN_METHODS = "GET, HEAD, POST"
+CPU_STEP_ROWS = 16  # rows per decode step on a CPU unless --step-rows says otherwise
 
 
 class _ClientGone(Exception):
@@ -549,8 +550,8 @@ class OpenAIServer:
 
     # ---- admission ----------------------------------------------------------------------------------------------
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: about one generate call."""
-        return max(1, min(60, math.ceil(self.generator._last_generate_s)))
+        """Seconds a refused client should wait: about as long as the last answered request generated."""
+        return max(1, min(60, math.ceil(self.generator.wait_s)))
 
     def _busy_error(self, message: str) -> APIError:
         err = APIError(429, f"{message}; retry later", type="rate_limit_error", code="too_many_requests")
@@ -996,7 +997,10 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
         tokenizer.pad_token = tokenizer.eos_token
     config = getattr(model, "config", None)
     context = int(getattr(config, "max_position_embeddings", 0) or getattr(tokenizer, "model_max_length", 0) or 2048)
-    generator = BatchGenerator(model, tokenizer, device, settings.max_batch_size, settings.batch_wait_s)
+    step_rows = settings.step_rows
+    if step_rows is None:  # a CPU step costs about its rows (small groups lose little); a GPU's about the same for 64
+        step_rows = CPU_STEP_ROWS if torch.device(device).type == "cpu" else settings.max_batch_size
+    generator = BatchGenerator(model, tokenizer, device, settings.max_batch_size, settings.batch_wait_s, step_rows)
     return OpenAIServer(generator, models, settings, context, (host, port))
 
 
@@ -1038,10 +1042,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1_000_000, help="largest request body")
     p.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences in one generate call")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="most sequences generating at once (twice as many for clients holding fewer than another)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request gives none (default: the config's rollout.sampling.max_new_tokens)")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="wait for more requests before generating")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0,
+                   help="when idle, wait this long after a request for more to prefill with it")
+    p.add_argument("--step-rows", type=int,
+                   help="most sequences in one decode step: the sequences generating are split into groups of at "
+                        f"most this many, stepped in turn; new requests join between two (default: {CPU_STEP_ROWS} on "
+                        "a CPU, --max-batch-size on a GPU)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a waiting request gets 504")
     p.add_argument("--max-connections", type=int,
                    help="open connections at once; when all are taken the one idle the longest is closed "
@@ -1085,7 +1095,7 @@ def main(argv: list[str]) -> int:
             default_max_tokens=default_tokens, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, api_key=args.api_key, ignore_seed=args.ignore_seed,
             max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-            max_client_tokens=args.max_client_tokens,
+            max_client_tokens=args.max_client_tokens, step_rows=args.step_rows,
         )
         trained = bool(args.adapter or args.ckpt)
         adapter_name = args.adapter_name if trained and hasattr(model, "disable_adapter") else None

@@ -29,6 +29,6 @@ from vpo_lightning.serve.server import OpenAIServer, build_parser, build_server,
 
 __all__ = [
     "APIError", "BatchGenerator", "ChatRequest", "Choice", "DecodeGroup", "Job", "OpenAIServer", "Row", "SamplingKey",
-    "ServeSettings", "build_parser", "build_server", "check_fields", "decode_json",
-    "load_for_serving", "main", "parse_chat_request", "parse_messages", "parse_stop", "parse_tools", "pick", "token_bytes",
+    "ServeSettings", "build_parser", "build_server", "check_fields", "decode_json", "load_for_serving", "main",
+    "parse_chat_request", "parse_messages", "parse_stop", "parse_tools", "pick", "token_bytes",
 ]

@@ -119,6 +119,22 @@ def logprob_entries(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float
     return out
 
 
+def _similar_lengths(jobs: list[Job]) -> list[list[Job]]:
+    """``jobs`` in order, cut into runs prefilled together: a run's prompts are padded to its longest, so a prompt
+    at least twice the length of another starts a new run (a short request never waits for a long prompt's padding)."""
+    runs: list[list[Job]] = []
+    low = high = 0
+    for job in jobs:
+        size = max(1, len(job.prompt_ids))
+        if runs and max(high, size) <= 2 * min(low, size):
+            runs[-1].append(job)
+            low, high = min(low, size), max(high, size)
+        else:
+            runs.append([job])
+            low = high = size
+    return runs
+
+
 class BatchGenerator:
     """Owns the model; a worker thread generates queued :class:`Job` s in decode groups (continuous batching).
 
@@ -271,10 +287,11 @@ class BatchGenerator:
             joining.setdefault(id(group), (group, []))[1].append(job)
             job.joined = time.monotonic()
         for group, batch in joining.values():
-            self.stats["batches"] += 1
-            self.stats["requests"] += len(batch)
-            self.stats["rows"] += sum(j.n for j in batch)
-            self._run(group, lambda g=group, b=batch: g.add(b), batch)
+            for part in _similar_lengths(batch):
+                self.stats["batches"] += 1
+                self.stats["requests"] += len(part)
+                self.stats["rows"] += sum(j.n for j in part)
+                self._run(group, lambda g=group, p=part: g.add(p), part)
         if joining:
             s, running = self.stats, [job for group in self.groups for job in group.jobs]
             s["max_batch_requests"] = max(s["max_batch_requests"], len(running))

@@ -74,9 +74,9 @@ class ServeSettings:
         batch_wait_s: when the worker is idle, how long it waits after a request for more to prefill with it.
         request_timeout_s: a request still waiting after this long gets 504.
         api_key: when set, requests need ``Authorization: Bearer <api_key>``.
-        ignore_seed: drop each request's ``seed``, so that seeded requests share ``generate`` calls with the
-            others. Without it, a request is batched only with requests of the same seed; clients that send a new
-            seed per request (OpenEvolve sends one per iteration) then get no batching at all.
+        ignore_seed: drop each request's ``seed``. Seeded requests share decode steps with the others either way
+            (each samples from its own generator); before continuous batching a seed kept a request out of others'
+            ``generate`` calls, and OpenEvolve, which sends a new seed per iteration, got no batching without this.
         max_client_tokens: queued work of one client, ``n x max_tokens`` summed over its requests in flight,
             before its next ones get 429 (default: half of ``max_batch_size x max_tokens_limit``, and at least
             one request of ``max_n x max_tokens_limit``).

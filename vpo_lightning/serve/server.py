@@ -13,21 +13,21 @@ chat template (:func:`vpo_lightning.generation.models.prompt_token_ids`), exactl
 template, or, when the template ignores them (SmolLM2's), into the tool-use task's system message
 (:func:`vpo_lightning.tasks.tooluse.build_messages`); ``<tool_call>`` blocks in the answer come back as OpenAI
 ``tool_calls``. Every other field, and every value the server cannot honour, is a 400 naming it
-(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` is batched only with requests of the
-same seed, and the sampler is seeded before that batch (reproducible when the batch is the same); ``--ignore-seed``
-drops seeds so that they batch with everything.
+(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` samples from its own generator, so
+it gets the same tokens whichever requests share its steps (up to the rounding of padded attention sums);
+``--ignore-seed`` drops seeds.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
 the adapter is served under ``--adapter-name`` (default ``vpo``) and the base name runs the same weights with the
 adapter disabled, like ``vllm serve BASE --enable-lora --lora-modules vpo=DIR``. A request without ``model`` gets
 the adapter when there is one.
 
-Batching (:mod:`vpo_lightning.serve.batching`): a request is validated, admitted, then rendered and tokenized on a
-thread and queued. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest
-request of the client (peer address) served the least work so far and every other pending request with the same
-sampling parameters (temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to
-``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop strings are checked per sequence while
-generating. Requests with other parameters wait for the next call.
+Batching (:mod:`vpo_lightning.serve.batching`, :mod:`vpo_lightning.serve.continuous`): a request is validated,
+admitted, then rendered and tokenized on a thread and queued. One worker thread owns the model and batches
+continuously: the sequences generating sit in decode groups of at most ``--step-rows`` rows, stepped in turn one token
+at a time; between two group steps, queued requests join in fair order (the client served the least work first),
+each prefilled at once (its first token comes from the prefill), and a sequence leaves as soon as it ends. Rows of
+any sampling parameters share a step; stop strings are checked per sequence after each token.
 
 HTTP: uvicorn's HTTP/1.1 connections (h11, asyncio) with Starlette's request and response classes, the stack of
 vLLM's OpenAI server and TRL's ``vllm-serve``; one dispatcher takes every method and path, so that what no route
@@ -59,9 +59,10 @@ takes is a 405 or 404 in OpenAI's shape. What the server guarantees (``docs/SERV
   included) is closed, the one that has owed a request the longest first, else one being answered (another
   client's only); a connection that owes a request for ``--idle-timeout`` seconds, between requests or sending one
   however slowly, is closed.
-- Fair generation: the batcher serves the client with the least work served first (new clients start at the
-  current virtual time), so a light request goes into the next ``generate`` call; it still waits for the call under
-  way (static batching: a call is not interrupted; a call of 64 rows x 256 tokens takes seconds on a CPU).
+- Fair generation: requests join the decode groups in fair order (the client with the least work served first,
+  new clients at the current virtual time) while the sequences generating stay within ``--max-batch-size``; a client
+  holding fewer sequences than another joins past it, up to twice. So a light request waits for one group's step and
+  its own prefill, not for the requests under way (continuous batching; tests/test_serve_attacks.py).
 
 Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``GET /stats`` counts 4xx and 5xx
 answers apart, clients that hang up as ``client_disconnects``, ``connections_open`` and ``connections_evicted``.
@@ -1065,8 +1066,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("VPO_SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $VPO_SERVE_API_KEY; none = no auth)")
     p.add_argument("--ignore-seed", action="store_true",
-                   help="drop requests' seed so they batch with all others (throughput over reproducibility; "
-                        "for clients such as OpenEvolve that send a new seed with every request)")
+                   help="drop requests' seed (seeded requests share decode steps with all others either way, each "
+                        "sampling from its own generator; kept for clients that should not be reproducible)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (0 = torch's default; 1 is much faster on a busy shared CPU)")

@@ -22,6 +22,19 @@ TINY = {"name": "tiny-llama", "dtype": "fp32", "lora": {"r": 4, "alpha": 8}}
 MSG = [{"role": "user", "content": "Say something."}]
 
 
+class _Scripted:
+    """A stand-in decode group: answers each prefill's jobs at once with ``answer(jobs)`` (no model)."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.jobs, self.size = answer, [], 0
+
+    def add(self, jobs):
+        return list(zip(jobs, self.answer(jobs)))
+
+    def step(self):
+        return []
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     threads = torch.get_num_threads()
@@ -261,7 +274,7 @@ def test_generation_failure_is_a_5xx_in_stats(server):
     def broken(jobs):
         raise RuntimeError("out of memory (simulated)")
 
-    srv.generator.run_batch = broken
+    srv.generator.new_group = lambda adapter: _Scripted(broken)
     srv.start()
     try:
         status, body, _ = _raw(srv, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "max_tokens": 2}))
@@ -607,7 +620,8 @@ def test_openai_client_tools_reach_the_prompt_and_calls_come_back(server, client
                        settings=ServeSettings(max_n=4, max_batch_size=16, max_tokens_limit=32))
     answer = ('<think> I need the weather. </think>\n<tool_call>\n{"name": "get_weather", "parameters": '
               '{"city": "Paris"}}\n</tool_call>')
-    srv.generator.run_batch = lambda jobs: [[Choice(answer, "stop", 20) for _ in range(j.n)] for j in jobs]
+    srv.generator.new_group = lambda adapter: _Scripted(
+        lambda jobs: [[Choice(answer, "stop", 20) for _ in range(j.n)] for j in jobs])
     srv.start()
     try:
         scripted = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=60)

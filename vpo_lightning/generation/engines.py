@@ -203,6 +203,25 @@ def preallocated_layer_class() -> type[Any]:
                 new._views()
             return new
 
+        @classmethod
+        def from_parts(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, capacity: int) -> Any:
+            """The rows of several ``(keys, values)`` pairs ([b_i, kv_heads, n_i, head_dim], n_i <= ``width``)
+            stacked, each right-aligned at ``width`` positions and left-padded with zeros (masked by the caller),
+            with room for ``capacity`` positions: ``vpo serve`` joins and drops rows of a running batch this way."""
+            new = cls(max(capacity, width))
+            rows = sum(k.shape[0] for k, _ in parts)
+            new.lazy_initialization(parts[0][0], parts[0][1], rows=rows)
+            start = 0
+            for k, v in parts:
+                b, n = k.shape[0], k.shape[-2]
+                for buf, src in ((new._k, k), (new._v, v)):
+                    buf[start : start + b, :, : width - n].zero_()  # padding: finite, so 0 x value stays 0
+                    buf[start : start + b, :, width - n : width].copy_(src)
+                start += b
+            new.length = width
+            new._views()
+            return new
+
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor,
                                 rows: int | None = None) -> None:
             """Allocate the buffers: ``rows`` rows (default: as many as ``key_states``), ``capacity`` positions."""

@@ -1,40 +1,41 @@
-"""The batching worker of ``vpo serve``: one thread owns the model and turns queued requests into ``generate`` calls.
+"""The batching worker of ``vpo serve``: one thread owns the model and generates queued requests with continuous
+(iteration-level) batching.
 
 HTTP handler threads validate and tokenize a request (:mod:`vpo_lightning.serve.openai_api`), then queue a :class:`Job`.
-The worker waits ``batch_wait_s`` for more requests, takes the oldest pending job of the client that has been served the
-least work (fair queuing: ``n x max_tokens`` served per client, counted from the current virtual time for a client that
-comes back or is new) and every other pending job with the same :class:`~vpo_lightning.serve.openai_api.SamplingKey`
-(temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to ``max_batch_size`` rows, and runs them
-as one ``generate`` call; stop strings are checked per row while generating. Jobs with other keys wait for the next
-call. So a new or light client's request goes first in the next call, however many heavy requests other clients keep
-queued: it waits for the call under way (static batching: a call is not interrupted). A job whose client hung up
-(``Job.dropped``) is skipped when pending and its rows stop at the next step when generating. A failed call answers
-its jobs with a 500 and is counted in ``stats["errors"]``; the worker keeps serving.
+The worker keeps the sequences being generated in decode groups (:class:`~vpo_lightning.serve.continuous.DecodeGroup`,
+at most ``step_rows`` rows each, one per adapter setting at least) and steps each group in turn, one token per row
+and step. Between two group steps it lets pending jobs join: in fair order (the oldest job of the client served the
+least work, ``n x max_tokens`` counted per client from the current virtual time for a client that is new or comes
+back), while the rows generating stay within ``max_batch_size``; a client that holds fewer rows than another client
+may join past it, up to twice ``max_batch_size`` (max-min fairness, as admission does), so clients that fill every
+row cannot keep a new one waiting for their sequences to end. A joining job is prefilled at once and gets its first
+token from the prefill; each row leaves its group as soon as it is done, and a job is answered when its last row is.
+So a new request waits for one group's step (and the prefills joining with it), not for the requests under way:
+rows of any sampling parameters share a step, each sampled with its own (a seeded request with its own generator).
 
-Log-probabilities and streaming (:class:`StepRecorder`): when a job of the call asks for ``logprobs`` or streams,
-the call applies temperature, top-k and top-p itself (transformers' own warpers, in transformers' order) and a last
-logits processor keeps the log-softmax of the scores sampling then draws from; after each step the sampled token's
-log-prob and the step's top alternatives are recorded per row, and tokens of streaming jobs are handed to their
-queue as they are generated. With temperature 0 (greedy) the log-probs are those of the unscaled distribution.
-Sampling applies the request's temperature, top-k and top-p only: min-p, typical-p and the epsilon/eta cutoffs of a
-model's ``generation_config.json`` are switched off (transformers would add them after the recorder).
+A job whose client hung up (``Job.dropped``) is skipped when pending and its rows leave at the next step. A failed
+step or prefill answers the jobs of that group with a 500 and is counted in ``stats["errors"]``; the worker keeps
+serving. Streaming and log-probs: each generated token is handed to a streamed job's queue as it is sampled, with
+its log-prob and the alternatives asked for (:func:`~vpo_lightning.serve.continuous.pick`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vpo_lightning.serve.openai_api import APIError, SamplingKey
+
+if TYPE_CHECKING:
+    from vpo_lightning.serve.continuous import DecodeGroup
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Job:
     events: Any = None  # anything with put(): a queue.Queue, or the server's hand-over to its event loop
     client: str = ""  # who sent it (the peer address): clients take turns at the head of the queue
     dropped: bool = False  # the client hung up: skip it when pending, stop its rows when generating
+    joined: float = 0.0  # time.monotonic() when it joined a decode group
 
 
 @dataclass
@@ -117,126 +119,47 @@ def logprob_entries(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float
     return out
 
 
-class StepRecorder:
-    """The last logits processor and a stopping criterion of a ``generate`` call: records, per row, each sampled
-    token's log-prob under the distribution it was drawn from (the scores after temperature, top-k and top-p) and
-    the step's ``top`` most likely tokens; hands each new token of a streaming row to its queue.
-
-    Args:
-        top: alternatives to keep per step (the most any job of the call asks for).
-        streams: per row, ``(queue, choice index)`` or None.
-        eos: end-of-sequence ids: a row's recording stops after one.
-    """
-
-    def __init__(self, top: int, streams: Sequence[tuple[queue.Queue, int] | None], eos: set[int]) -> None:
-        self.top, self.streams, self.eos = top, list(streams), eos
-        self.ids: list[list[int]] = [[] for _ in streams]
-        self.logprobs: list[list[float]] = [[] for _ in streams]
-        self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in streams]
-        self._step: torch.Tensor | None = None  # [R, V] log-softmax of the current step's processed scores
-        self._done = [False] * len(streams)
-
-    def process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """The logits-processor side: keep the step's log-probs; the scores pass unchanged."""
-        self._step = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        """The stopping-criterion side, after the step's tokens were appended: record them; never stops a row."""
-        if self._step is not None:
-            step, self._step = self._step, None
-            chosen = input_ids[:, -1:]  # [R, 1]
-            picked = step.gather(-1, chosen).squeeze(-1).tolist()
-            if self.top:
-                values, indices = step.topk(self.top, dim=-1)  # [R, top]
-                alternatives = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-            else:
-                alternatives = [[] for _ in picked]
-            for row, token in enumerate(chosen.squeeze(-1).tolist()):
-                if self._done[row]:
-                    continue
-                self.ids[row].append(token)
-                self.logprobs[row].append(picked[row])
-                self.tops[row].append(alternatives[row])
-                self._done[row] = token in self.eos
-                if self.streams[row] is not None:
-                    events, index = self.streams[row]
-                    events.put((index, token, picked[row], alternatives[row]))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class _Processor:
-    """Adapts :meth:`StepRecorder.process` to transformers' ``LogitsProcessor`` call."""
-
-    def __init__(self, recorder: StepRecorder) -> None:
-        self.recorder = recorder
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.recorder.process(input_ids, scores)
-
-
-
-class DropAbandoned:
-    """A ``StoppingCriteria``: the rows of jobs whose client hung up are done (when all are, generation ends)."""
-
-    def __init__(self, jobs: Sequence[Job]) -> None:
-        self.jobs = [job for job in jobs for _ in range(job.n)]
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.tensor([job.dropped for job in self.jobs], dtype=torch.bool, device=input_ids.device)
-
-
-class StopOnStrings:
-    """A ``StoppingCriteria``: a row is done once its decoded completion contains one of its stop strings.
-
-    Records, per row, how many tokens had been generated when its stop string appeared (for usage and trimming).
-    """
-
-    def __init__(self, tokenizer: Any, prompt_len: int, stops: Sequence[tuple[str, ...]], lock: threading.Lock):
-        self.tokenizer, self.prompt_len, self.stops, self.lock = tokenizer, prompt_len, stops, lock
-        longest = max((len(s) for row in stops for s in row), default=0)
-        self.window = longest + 8  # tokens decoded at the tail; every token decodes to >= 1 character in practice
-        self.stopped_at: dict[int, int] = {}
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        generated = input_ids.shape[1] - self.prompt_len
-        for row, stops in enumerate(self.stops):
-            if not stops:
-                continue
-            if row in self.stopped_at:
-                done[row] = True
-                continue
-            tail = input_ids[row, max(self.prompt_len, input_ids.shape[1] - self.window) :].tolist()
-            with self.lock:
-                text = self.tokenizer.decode(tail, skip_special_tokens=True)
-            if any(s in text for s in stops):
-                self.stopped_at[row] = generated
-                done[row] = True
-        return done
+def _similar_lengths(jobs: list[Job]) -> list[list[Job]]:
+    """``jobs`` in order, cut into runs prefilled together: a run's prompts are padded to its longest, so a prompt
+    at least twice the length of another starts a new run (a short request never waits for a long prompt's padding)."""
+    runs: list[list[Job]] = []
+    low = high = 0
+    for job in jobs:
+        size = max(1, len(job.prompt_ids))
+        if runs and max(high, size) <= 2 * min(low, size):
+            runs[-1].append(job)
+            low, high = min(low, size), max(high, size)
+        else:
+            runs.append([job])
+            low = high = size
+    return runs
 
 
 class BatchGenerator:
-    """Owns the model; a worker thread turns queued :class:`Job` s into batched ``generate`` calls.
+    """Owns the model; a worker thread generates queued :class:`Job` s in decode groups (continuous batching).
 
     Args:
         model: a causal LM, or a PEFT model (``SamplingKey.adapter=False`` runs it with its adapter disabled).
         tokenizer: its tokenizer (pad token set).
         device: where the model lives.
-        max_batch_size: most rows in one ``generate`` call.
-        batch_wait_s: wait this long after the first pending request before taking a batch.
-        max_regroup_s: longest extra wait for clients of the last batch to send their next request (see ``_take``).
+        max_batch_size: most rows generating at once (up to twice this many for clients holding fewer rows than
+            another, see the module docstring).
+        batch_wait_s: when idle, wait this long after the first request so that concurrent ones prefill together.
+        step_rows: most rows in one decode step (0 = ``max_batch_size``): the rows generating are split into groups
+            of at most this many, stepped in turn, and a new request joins after one group's step. On a CPU a
+            step's time grows with its rows, so small groups cost little throughput and cut the wait.
     """
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device | str = "cpu", max_batch_size: int = 64,
-                 batch_wait_s: float = 0.01, max_regroup_s: float = 2.0) -> None:
+                 batch_wait_s: float = 0.01, step_rows: int = 0) -> None:
         from vpo_lightning.generation.engines import eos_token_ids
 
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
-        self.max_batch_size, self.batch_wait_s, self.max_regroup_s = max_batch_size, batch_wait_s, max_regroup_s
-        self._recent_rows, self._last_generate_s = 1, 0.0
+        self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
+        self.step_rows = step_rows or max_batch_size
+        self.wait_s = 0.0  # how long the last answered job generated: what Retry-After tells a refused client
         self._served: dict[str, int] = {}  # client -> work served (n x max_tokens), from the virtual time on
-        self._vtime = 0  # the served work of the last call's first job: where a new or returning client starts
+        self._vtime = 0  # the served work of the last joining job: where a new or returning client starts
         self.eos = eos_token_ids(model, tokenizer)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to use from several threads at once
         # Prompts longer than SMALL_PROMPT_CHARS are tokenized by a second copy under its own lock (the fast
@@ -244,12 +167,20 @@ class BatchGenerator:
         # requests and the worker's decoding keep the first copy: a 1 MB prompt took the shared lock for ~2.5 s.
         self.long_tokenizer = copy.deepcopy(tokenizer)
         self.long_tokenizer_lock = threading.Lock()
+        self.groups: list[Any] = []  # DecodeGroup s (or what new_group returns), each with rows generating
         self._pending: list[Job] = []
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.stats = {"batches": 0, "requests": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
+        # batches: prefills (a group's joins at once); steps: decode steps; generate_s: time in both
+        self.stats = {"batches": 0, "steps": 0, "requests": 0, "rows": 0, "generated_tokens": 0, "generate_s": 0.0,
                       "max_batch_requests": 0, "max_batch_rows": 0, "errors": 0}
+
+    def new_group(self, adapter: bool) -> DecodeGroup:
+        """An empty decode group for rows with the adapter on or off (tests put a scripted stand-in here)."""
+        from vpo_lightning.serve.continuous import DecodeGroup
+
+        return DecodeGroup(self.model, self.tokenizer, self.eos, self.device, self.tokenizer_lock, adapter)
 
     # -- queue ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -274,199 +205,118 @@ class BatchGenerator:
             self._cond.notify()
         return job.future
 
-    def _pending_rows(self) -> int:
-        return sum(j.n for j in self._pending if not (j.dropped or j.future.cancelled()))
+    def _rows_by_client(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for group in self.groups:
+            for job in group.jobs:
+                held[job.client] = held.get(job.client, 0) + job.n
+        return held
 
-    def _take(self) -> list[Job]:
-        """Wait for work; return the oldest job and the pending jobs sharing its key (FIFO, up to the row cap).
+    def _take(self, block: bool) -> list[Job]:
+        """The pending jobs that may join now, in fair order; with ``block``, wait for one first (the worker is
+        idle) and then ``batch_wait_s`` for concurrent requests.
 
-        Static batches split concurrent clients into groups that alternate (those that missed a batch wait for it
-        and then form the next one). So after the first wait, the worker also waits, up to a tenth of the last
-        generate call (at most ``max_regroup_s``), until as many rows are pending as were in demand around the
-        last call (its rows plus those left pending): clients that just got their answers rejoin one batch.
+        The head is the oldest job of the client served the least work (a new client starts at the virtual time).
+        It joins while the rows generating stay within ``max_batch_size``, or, past it, up to twice that when its
+        client holds fewer rows than the client holding the most; the first head that cannot join ends the turn.
         """
         with self._cond:
-            while not self._pending and not self._stop:
+            while block and not self._pending and not self._stop:
                 self._cond.wait()
-            if self._stop:
+            if self._stop or not self._pending:
                 return []
-        if self.batch_wait_s > 0:
-            time.sleep(self.batch_wait_s)  # let concurrent requests join this batch
-        want = min(self._recent_rows, self.max_batch_size)
-        deadline = time.monotonic() + min(self.max_regroup_s, 0.1 * self._last_generate_s)
-        with self._cond:
-            while self._pending_rows() < want and not self._stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+        if block and self.batch_wait_s > 0:
+            time.sleep(self.batch_wait_s)  # let concurrent requests prefill together
+        held = self._rows_by_client()
+        rows = sum(held.values())
+        chosen: list[Job] = []
         with self._cond:
             for job in self._pending:
                 if job.dropped:
                     job.future.cancel()
-            self._pending = [j for j in self._pending if not j.future.cancelled()]
-            if not self._pending:
-                return []
-            # the head: the oldest job of the client served the least work (a new one starts at the virtual time)
-            head = min(self._pending, key=lambda j: max(self._served.get(j.client, 0), self._vtime))
-            key, rows, batch, rest = head.key, head.n, [head], []
-            for job in self._pending:
-                if job is head:
-                    continue
-                if job.key == key and rows + job.n <= self.max_batch_size:
-                    batch.append(job)
-                    rows += job.n
-                else:
-                    rest.append(job)
-            self._pending = rest
-            self._vtime = max(self._served.get(head.client, 0), self._vtime)
-            for job in batch:
-                self._served[job.client] = max(self._served.get(job.client, 0), self._vtime) + job.n * key.max_tokens
+            pending = [j for j in self._pending if not j.future.cancelled()]
+            while pending:
+                head = min(pending, key=lambda j: max(self._served.get(j.client, 0), self._vtime))
+                mine, most = held.get(head.client, 0), max(held.values(), default=0)
+                if rows + head.n > self.max_batch_size and not (mine < most
+                                                                 and rows + head.n <= 2 * self.max_batch_size):
+                    break
+                pending.remove(head)
+                chosen.append(head)
+                held[head.client], rows = mine + head.n, rows + head.n
+                self._vtime = max(self._served.get(head.client, 0), self._vtime)
+                self._served[head.client] = self._vtime + head.n * head.key.max_tokens
+            self._pending = pending
             if len(self._served) > 10_000:  # clients at or below the virtual time lose nothing by being forgotten
                 self._served = {c: w for c, w in self._served.items() if w > self._vtime}
-        return [j for j in batch if j.future.set_running_or_notify_cancel()]
+        return [j for j in chosen if j.future.set_running_or_notify_cancel()]
 
+    # -- the worker -----------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            jobs = self._take()
+            self._join(self._take(block=not self.groups))
+            for group in list(self.groups):
+                if self._stop:
+                    break
+                if group.jobs:  # (its jobs may all have ended in their prefill)
+                    self._run(group, group.step, [])
+                self._join(self._take(block=False))  # a new request waits for one group's step
+            self.groups = [g for g in self.groups if g.jobs]
             if self._stop:
-                for job in jobs:
-                    job.future.set_exception(APIError(503, "the server is shutting down", type="server_error"))
-                return
-            if not jobs:
-                continue
-            try:
-                results = self.run_batch(jobs)
-            except Exception as err:  # one failed batch must not stop the server
-                log.exception("generate failed for a batch of %d requests", len(jobs))
-                self.stats["errors"] += 1
-                error = APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")
-                for job in jobs:
+                error = APIError(503, "the server is shutting down", type="server_error")
+                for job in [job for group in self.groups for job in group.jobs]:
                     job.future.set_exception(error)
-                continue
-            with self._cond:
-                self._recent_rows = sum(j.n for j in jobs) + self._pending_rows()
-            for job, choices in zip(jobs, results):
-                job.future.set_result(choices)
+                self.groups = []
+                return
 
-    # -- generation -----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run_batch(self, jobs: Sequence[Job]) -> list[list[Choice]]:
-        """One ``generate`` call for all choices of ``jobs`` (which share a :class:`SamplingKey`)."""
-        from contextlib import nullcontext
-
-        from transformers import (
-            LogitsProcessorList,
-            StoppingCriteriaList,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        from vpo_lightning.generation.engines import left_pad
-
-        key = jobs[0].key
-        rows = [job.prompt_ids for job in jobs for _ in range(job.n)]
-        stops = [job.stops for job in jobs for _ in range(job.n)]
-        ids, mask = left_pad(rows, self.tokenizer.pad_token_id, self.device)  # [R, P]
-        kwargs: dict[str, Any] = {"max_new_tokens": key.max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
-                                  "eos_token_id": sorted(self.eos)}
-        recorder = None
-        if any(job.logprobs is not None or job.events is not None for job in jobs):
-            streams = [(job.events, i) if job.events is not None else None for job in jobs for i in range(job.n)]
-            recorder = StepRecorder(max(job.logprobs or 0 for job in jobs), streams, self.eos)
-        if key.temperature > 0:  # only the request's warpers: none from the model's generation_config.json
-            kwargs.update(min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
-        if key.temperature > 0 and recorder is not None:
-            # the warpers transformers would add, in its order, then the recorder: it sees what sampling draws from
-            warpers: list[Any] = []
-            if key.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(key.temperature))
-            if key.top_k:
-                warpers.append(TopKLogitsWarper(key.top_k))
-            if key.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(key.top_p))
-            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                          logits_processor=LogitsProcessorList([*warpers, _Processor(recorder)]))
-        elif key.temperature > 0:
-            kwargs.update(do_sample=True, temperature=key.temperature, top_p=key.top_p, top_k=key.top_k)
-        else:
-            kwargs.update(do_sample=False)
-            if recorder is not None:
-                kwargs["logits_processor"] = LogitsProcessorList([_Processor(recorder)])
-        if key.ignore_eos:
-            kwargs["min_new_tokens"] = key.max_tokens
-        criteria = None
-        stopping: list[Any] = [DropAbandoned(jobs)] + ([] if recorder is None else [recorder])
-        if any(stops):
-            criteria = StopOnStrings(self.tokenizer, ids.shape[1], stops, self.tokenizer_lock)
-            stopping.append(criteria)
-        if stopping:
-            kwargs["stopping_criteria"] = StoppingCriteriaList(stopping)
-        use_base = not key.adapter and hasattr(self.model, "disable_adapter")
-        if key.seed is not None:
-            torch.manual_seed(key.seed)
-        t0 = time.perf_counter()
-        with self.model.disable_adapter() if use_base else nullcontext():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # [R, P + L]
-        elapsed = time.perf_counter() - t0
-        generated = out[:, ids.shape[1] :].tolist()
-        tops = [job.logprobs for job in jobs for _ in range(job.n)]
-        choices: list[Choice] = []
-        for r, tokens in enumerate(generated):
-            choice = self._choice(tokens, stops[r], None if criteria is None else criteria.stopped_at.get(r),
-                                  key.max_tokens)
-            if recorder is not None and tops[r] is not None:
-                choice.logprobs = self._logprobs(recorder, r, choice, tops[r])
-            choices.append(choice)
-        self._count(jobs, len(rows), sum(c.tokens for c in choices), elapsed)
-        grouped, start = [], 0
+    def _join(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` into groups of their adapter setting: the one with the fewest rows that has room for
+        them (``step_rows``), else a new one."""
+        joining: dict[int, tuple[Any, list[Job]]] = {}  # id(group) -> (group, its joining jobs)
+        planned = {id(g): g.size for g in self.groups}  # rows each group will hold once these jobs join
         for job in jobs:
-            grouped.append(choices[start : start + job.n])
-            start += job.n
-        return grouped
-
-    def _choice(self, tokens: list[int], stops: tuple[str, ...], stopped_at: int | None, max_tokens: int) -> Choice:
-        if stopped_at is not None:
-            tokens, finish = tokens[:stopped_at], "stop"
-        else:
-            cut = next((i for i, t in enumerate(tokens) if t in self.eos), None)
-            if cut is not None:
-                tokens, finish = tokens[: cut + 1], "stop"
+            fits = [g for g in self.groups if g.adapter == job.key.adapter and planned[id(g)] + job.n <= self.step_rows]
+            if fits:
+                group = min(fits, key=lambda g: planned[id(g)])
             else:
-                finish = "length" if len(tokens) >= max_tokens else "stop"
-        with self.tokenizer_lock:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            text, finish = text[: min(hits)], "stop"
-        return Choice(text, finish, len(tokens))
+                group = self.new_group(job.key.adapter)
+                group.adapter = job.key.adapter  # (a scripted stand-in need not set it)
+                self.groups.append(group)
+                planned[id(group)] = 0
+            planned[id(group)] += job.n
+            joining.setdefault(id(group), (group, []))[1].append(job)
+            job.joined = time.monotonic()
+        for group, batch in joining.values():
+            for part in _similar_lengths(batch):
+                self.stats["batches"] += 1
+                self.stats["requests"] += len(part)
+                self.stats["rows"] += sum(j.n for j in part)
+                self._run(group, lambda g=group, p=part: g.add(p), part)
+        if joining:
+            s, running = self.stats, [job for group in self.groups for job in group.jobs]
+            s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
+            s["max_batch_rows"] = max(s["max_batch_rows"], sum(job.n for job in running))
 
-    def _logprobs(self, recorder: StepRecorder, row: int, choice: Choice, top: int) -> list[dict[str, Any]]:
-        """The log-prob entries of the tokens of ``choice.text``: its counted tokens less a final end-of-sequence
-        token, and less those wholly past the text where a stop string cut it."""
-        count = min(choice.tokens, len(recorder.ids[row]))
-        ids = recorder.ids[row][:count]
-        if ids and ids[-1] in self.eos:
-            ids = ids[:-1]
-        with self.tokenizer_lock:
-            entries = logprob_entries(self.tokenizer, ids, recorder.logprobs[row], recorder.tops[row], top)
-        size = len(choice.text.encode("utf-8"))
-        if choice.finish_reason != "stop" or size >= sum(len(e["bytes"]) for e in entries):
-            return entries
-        kept, have = 0, 0
-        while kept < len(entries) and have < size:  # cut at a stop string: a token straddling the cut is kept
-            have += len(entries[kept]["bytes"])
-            kept += 1
-        return entries[:kept]
-
-    def _count(self, jobs: Sequence[Job], rows: int, tokens: int, elapsed: float) -> None:
-        s = self.stats
-        s["batches"] += 1
-        s["requests"] += len(jobs)
-        s["rows"] += rows
-        s["generated_tokens"] += tokens
-        s["generate_s"] += elapsed
-        self._last_generate_s = elapsed
-        s["max_batch_requests"] = max(s["max_batch_requests"], len(jobs))
-        s["max_batch_rows"] = max(s["max_batch_rows"], rows)
+    def _run(self, group: Any, call: Any, joining: list[Job]) -> None:
+        """``call`` (a group's step or prefill): answer the jobs it finished; when it fails, a 500 for every job of
+        the group and those joining it, and the group is dropped."""
+        t0 = time.perf_counter()
+        try:
+            finished = call()
+        except Exception as err:  # one failed step must not stop the server
+            log.exception("generation failed for a group of %d rows", group.size)
+            self.stats["errors"] += 1
+            error = APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")
+            for job in [*group.jobs, *joining]:
+                if not job.future.done():
+                    job.future.set_exception(error)
+            self.groups = [g for g in self.groups if g is not group]
+            return
+        self.stats["generate_s"] += time.perf_counter() - t0
+        if not joining:
+            self.stats["steps"] += 1
+        for job, choices in finished:
+            self.stats["generated_tokens"] += sum(c.tokens for c in choices)
+            self.wait_s = time.monotonic() - job.joined
+            if not job.future.done():
+                job.future.set_result(choices)

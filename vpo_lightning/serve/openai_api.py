@@ -68,14 +68,15 @@ class ServeSettings:
         max_tokens_limit: largest ``max_tokens`` a request may ask for.
         max_request_bytes: largest request body accepted.
         max_n: largest ``n`` (choices per request).
-        max_batch_size: most sequences (rows) in one ``generate`` call; at least ``max_n``.
+        max_batch_size: most sequences (rows) generating at once; at least ``max_n``. A client holding fewer rows
+            than another may join past it, up to twice this many.
         default_max_tokens: ``max_tokens`` when the request gives none.
-        batch_wait_s: how long the worker waits for more requests before a ``generate`` call.
+        batch_wait_s: when the worker is idle, how long it waits after a request for more to prefill with it.
         request_timeout_s: a request still waiting after this long gets 504.
         api_key: when set, requests need ``Authorization: Bearer <api_key>``.
-        ignore_seed: drop each request's ``seed``, so that seeded requests share ``generate`` calls with the
-            others. Without it, a request is batched only with requests of the same seed; clients that send a new
-            seed per request (OpenEvolve sends one per iteration) then get no batching at all.
+        ignore_seed: drop each request's ``seed``. Seeded requests share decode steps with the others either way
+            (each samples from its own generator); before continuous batching a seed kept a request out of others'
+            ``generate`` calls, and OpenEvolve, which sends a new seed per iteration, got no batching without this.
         max_client_tokens: queued work of one client, ``n x max_tokens`` summed over its requests in flight,
             before its next ones get 429 (default: half of ``max_batch_size x max_tokens_limit``, and at least
             one request of ``max_n x max_tokens_limit``).
@@ -84,6 +85,8 @@ class ServeSettings:
             only when every connection has a request being answered does a new one get 429.
         idle_timeout_s: a connection that owes the server a request for this long is closed: between requests, or
             still sending one (headers or body, however slowly it trickles in).
+        step_rows: most rows in one decode step; the rows generating are split into groups of at most this many,
+            stepped in turn, and new requests join between two (None: 16 on a CPU, ``max_batch_size`` on a GPU).
     """
 
     max_concurrency: int = 8
@@ -99,6 +102,7 @@ class ServeSettings:
     max_connections: int | None = None
     idle_timeout_s: float = 30.0
     max_client_tokens: int | None = None
+    step_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_tokens_limit", "max_request_bytes", "max_n", "default_max_tokens"):
@@ -115,6 +119,8 @@ class ServeSettings:
                                          self.max_batch_size * self.max_tokens_limit // 2)
         if self.max_client_tokens < 1:
             raise ValueError(f"max_client_tokens must be >= 1, got {self.max_client_tokens}")
+        if self.step_rows is not None and self.step_rows < 1:
+            raise ValueError(f"step_rows must be >= 1, got {self.step_rows}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_limit)

@@ -13,21 +13,21 @@ chat template (:func:`vpo_lightning.generation.models.prompt_token_ids`), exactl
 template, or, when the template ignores them (SmolLM2's), into the tool-use task's system message
 (:func:`vpo_lightning.tasks.tooluse.build_messages`); ``<tool_call>`` blocks in the answer come back as OpenAI
 ``tool_calls``. Every other field, and every value the server cannot honour, is a 400 naming it
-(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` is batched only with requests of the
-same seed, and the sampler is seeded before that batch (reproducible when the batch is the same); ``--ignore-seed``
-drops seeds so that they batch with everything.
+(:func:`vpo_lightning.serve.openai_api.check_fields`). A request with a ``seed`` samples from its own generator, so
+it gets the same tokens whichever requests share its steps (up to the rounding of padded attention sums);
+``--ignore-seed`` drops seeds.
 
 Model names: the base model is served under the config's ``model.model.name``; with ``--adapter`` (or ``--ckpt``)
 the adapter is served under ``--adapter-name`` (default ``vpo``) and the base name runs the same weights with the
 adapter disabled, like ``vllm serve BASE --enable-lora --lora-modules vpo=DIR``. A request without ``model`` gets
 the adapter when there is one.
 
-Batching (:mod:`vpo_lightning.serve.batching`): a request is validated, admitted, then rendered and tokenized on a
-thread and queued. One worker thread owns the model: it waits ``--batch-wait-ms`` for more requests, takes the oldest
-request of the client (peer address) served the least work so far and every other pending request with the same
-sampling parameters (temperature, top-p, top-k, max_tokens, ignore_eos, seed, adapter on/off) up to
-``--max-batch-size`` sequences, and runs them as one ``generate`` call; stop strings are checked per sequence while
-generating. Requests with other parameters wait for the next call.
+Batching (:mod:`vpo_lightning.serve.batching`, :mod:`vpo_lightning.serve.continuous`): a request is validated,
+admitted, then rendered and tokenized on a thread and queued. One worker thread owns the model and batches
+continuously: the sequences generating sit in decode groups of at most ``--step-rows`` rows, stepped in turn one token
+at a time; between two group steps, queued requests join in fair order (the client served the least work first),
+each prefilled at once (its first token comes from the prefill), and a sequence leaves as soon as it ends. Rows of
+any sampling parameters share a step; stop strings are checked per sequence after each token.
 
 HTTP: uvicorn's HTTP/1.1 connections (h11, asyncio) with Starlette's request and response classes, the stack of
 vLLM's OpenAI server and TRL's ``vllm-serve``; one dispatcher takes every method and path, so that what no route
@@ -59,9 +59,10 @@ takes is a 405 or 404 in OpenAI's shape. What the server guarantees (``docs/SERV
   included) is closed, the one that has owed a request the longest first, else one being answered (another
   client's only); a connection that owes a request for ``--idle-timeout`` seconds, between requests or sending one
   however slowly, is closed.
-- Fair generation: the batcher serves the client with the least work served first (new clients start at the
-  current virtual time), so a light request goes into the next ``generate`` call; it still waits for the call under
-  way (static batching: a call is not interrupted; a call of 64 rows x 256 tokens takes seconds on a CPU).
+- Fair generation: requests join the decode groups in fair order (the client with the least work served first,
+  new clients at the current virtual time) while the sequences generating stay within ``--max-batch-size``; a client
+  holding fewer sequences than another joins past it, up to twice. So a light request waits for one group's step and
+  its own prefill, not for the requests under way (continuous batching; tests/test_serve_attacks.py).
 
 Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``GET /stats`` counts 4xx and 5xx
 answers apart, clients that hang up as ``client_disconnects``, ``connections_open`` and ``connections_evicted``.
@@ -247,6 +248,7 @@ GET_ROUTES = ("/v1/models", "/health", "/stats")
 POST_ROUTES = ("/v1/chat/completions",)
 NOT_IMPLEMENTED = ("/v1/completions", "/v1/embeddings", "/v1/responses")
 KNOWN_METHODS = "GET, HEAD, POST"
+CPU_STEP_ROWS = 16  # rows per decode step on a CPU unless --step-rows says otherwise
 
 
 class _ClientGone(Exception):
@@ -549,8 +551,8 @@ class OpenAIServer:
 
     # ---- admission ----------------------------------------------------------------------------------------------
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: about one generate call."""
-        return max(1, min(60, math.ceil(self.generator._last_generate_s)))
+        """Seconds a refused client should wait: about as long as the last answered request generated."""
+        return max(1, min(60, math.ceil(self.generator.wait_s)))
 
     def _busy_error(self, message: str) -> APIError:
         err = APIError(429, f"{message}; retry later", type="rate_limit_error", code="too_many_requests")
@@ -996,7 +998,10 @@ def build_server(model: Any, tokenizer: Any, *, base_name: str, adapter_name: st
         tokenizer.pad_token = tokenizer.eos_token
     config = getattr(model, "config", None)
     context = int(getattr(config, "max_position_embeddings", 0) or getattr(tokenizer, "model_max_length", 0) or 2048)
-    generator = BatchGenerator(model, tokenizer, device, settings.max_batch_size, settings.batch_wait_s)
+    step_rows = settings.step_rows
+    if step_rows is None:  # a CPU step costs about its rows (small groups lose little); a GPU's about the same for 64
+        step_rows = CPU_STEP_ROWS if torch.device(device).type == "cpu" else settings.max_batch_size
+    generator = BatchGenerator(model, tokenizer, device, settings.max_batch_size, settings.batch_wait_s, step_rows)
     return OpenAIServer(generator, models, settings, context, (host, port))
 
 
@@ -1038,10 +1043,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1_000_000, help="largest request body")
     p.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences in one generate call")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="most sequences generating at once (twice as many for clients holding fewer than another)")
     p.add_argument("--default-max-tokens", type=int,
                    help="max_tokens when a request gives none (default: the config's rollout.sampling.max_new_tokens)")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="wait for more requests before generating")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0,
+                   help="when idle, wait this long after a request for more to prefill with it")
+    p.add_argument("--step-rows", type=int,
+                   help="most sequences in one decode step: the sequences generating are split into groups of at "
+                        f"most this many, stepped in turn; new requests join between two (default: {CPU_STEP_ROWS} on "
+                        "a CPU, --max-batch-size on a GPU)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a waiting request gets 504")
     p.add_argument("--max-connections", type=int,
                    help="open connections at once; when all are taken the one idle the longest is closed "
@@ -1055,8 +1066,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("VPO_SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $VPO_SERVE_API_KEY; none = no auth)")
     p.add_argument("--ignore-seed", action="store_true",
-                   help="drop requests' seed so they batch with all others (throughput over reproducibility; "
-                        "for clients such as OpenEvolve that send a new seed with every request)")
+                   help="drop requests' seed (seeded requests share decode steps with all others either way, each "
+                        "sampling from its own generator; kept for clients that should not be reproducible)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (0 = torch's default; 1 is much faster on a busy shared CPU)")
@@ -1085,7 +1096,7 @@ def main(argv: list[str]) -> int:
             default_max_tokens=default_tokens, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, api_key=args.api_key, ignore_seed=args.ignore_seed,
             max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-            max_client_tokens=args.max_client_tokens,
+            max_client_tokens=args.max_client_tokens, step_rows=args.step_rows,
         )
         trained = bool(args.adapter or args.ckpt)
         adapter_name = args.adapter_name if trained and hasattr(model, "disable_adapter") else None

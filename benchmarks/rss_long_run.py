@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# this checkout's package, not the one an editable install in a shared .venv points at (e.g. from a git worktree)
+sys.path.insert(0, str(ROOT))
 OURS_PYTHON = Path(os.environ.get("VPO_BENCH_PYTHON", ROOT / ".venv" / "bin" / "python"))
 TRL_PYTHON = Path(os.environ.get("VPO_TRL_PYTHON", ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"))
 PAGE = os.sysconf("SC_PAGE_SIZE")

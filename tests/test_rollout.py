@@ -157,3 +157,15 @@ def test_bad_settings_fail_fast():
             RolloutCallback(rewards=["format"], **kw)
     with pytest.raises(ValueError, match="Registered rewards"):
         RolloutCallback(rewards=["no_such_reward"])
+
+
+@pytest.mark.parametrize("trim_memory", [True, False])
+def test_every_step_end_trims_the_heap_unless_turned_off(monkeypatch, trim_memory):
+    # the fix for resident memory growing over a long run (issue 56): malloc_trim once per optimizer step
+    calls = []
+    monkeypatch.setattr("vpo_lightning.training.rollout.trim_malloc", lambda: calls.append(1) or True)
+    cb = _callback(["x"], trim_memory=trim_memory)
+    trainer = SimpleNamespace(should_stop=False, global_step=0)
+    for step in range(3):
+        cb.on_train_batch_end(trainer, SimpleNamespace(), None, {}, step)
+    assert len(calls) == (3 if trim_memory else 0)

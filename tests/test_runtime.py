@@ -1,6 +1,9 @@
-"""glibc malloc tuning: applied on Linux/glibc, skipped when the user opts out or set MALLOC_* themselves; the
-intra-op thread policy for a shared machine (issue 43): pure decisions with exact values, no timing."""
+"""glibc malloc tuning: applied on Linux/glibc, skipped when the user opts out or set MALLOC_* themselves; malloc_trim
+hands freed heap pages back (resident memory, no timing); the intra-op thread policy for a shared machine (issue 43):
+pure decisions with exact values, no timing."""
 
+import ctypes
+import ctypes.util
 import os
 import sys
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 
 from vpo_lightning.generation.threads import ThreadPolicy, busy_jiffies, parse_threads, threads_for_load
-from vpo_lightning.training.runtime import tune_malloc
+from vpo_lightning.training.runtime import trim_malloc, tune_malloc
 
 
 def test_opt_out_env_var_disables_tuning(monkeypatch):
@@ -32,6 +35,31 @@ def test_applied_on_linux(monkeypatch):
         pytest.skip("no libc found")
     # values far beyond int range are clamped rather than overflowing the C int argument
     assert tune_malloc(trim_threshold=1 << 40, top_pad=1 << 40) is True
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
+                    reason="malloc_trim is glibc-only")
+def test_trim_malloc_returns_freed_heap_pages_to_the_kernel():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 << 10  # below every mmap threshold: the blocks come from the heap, as a training step's small buffers do
+    blocks = [libc.malloc(size) for _ in range(2048)]  # 128 MiB
+    for b in blocks:
+        ctypes.memset(b, 1, size)  # touched: resident
+    keep = libc.malloc(size)  # a live block above them: free() alone cannot shrink the heap past it
+    for b in blocks:
+        libc.free(b)
+    before = _rss()
+    assert trim_malloc() is True
+    released = before - _rss()
+    libc.free(keep)
+    assert released > 64 << 20  # most of the 128 MiB freed below the live block went back
 
 
 STAT = """cpu  100 1 50 1000 10 2 3 4 0 0

@@ -29,6 +29,7 @@ from vpo_lightning.core.types import Rollout
 from vpo_lightning.generation.engines import Engine, RolloutShape, SamplingSettings, TransformersEngine
 from vpo_lightning.training.checkpointing import AdapterCheckpoint, note_sigterm, pause_point, sigterm_pending
 from vpo_lightning.training.progress import action_needed, show_phase
+from vpo_lightning.training.runtime import trim_malloc
 from vpo_lightning.training.sampler import Sampler, chain_protocol
 
 __all__ = ["RolloutCallback"]
@@ -83,6 +84,9 @@ class RolloutCallback(L.Callback):
             use ``sampling``); the reference's held-out evaluation uses 0.7 in every domain.
         eval_top_p: the top-p of ``vpo eval`` / ``vpo search``; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use,
             EUREQA).
+        trim_memory: after every optimizer step, hand the free pages of the process's heaps back to the kernel
+            (glibc ``malloc_trim``; a no-op elsewhere). Without it resident memory grows over a long run as the
+            step's buffers, sized by each step's lengths, fragment the heap (issue 56, docs/SPEED.md).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class RolloutCallback(L.Callback):
         max_at_k_k: int | None = None,
         eval_temperature: float = 0.7,
         eval_top_p: float = 1.0,
+        trim_memory: bool = True,
     ) -> None:
         SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
         self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
@@ -113,6 +118,7 @@ class RolloutCallback(L.Callback):
         if max_generated_tokens is not None and max_generated_tokens < 1:
             raise ValueError(f"rollout.max_generated_tokens must be >= 1 or null, got {max_generated_tokens}")
         self.log_samples_every, self.save_completions = log_samples_every, save_completions
+        self.trim_memory = trim_memory
         self.max_generated_tokens = max_generated_tokens
         if dynamic_sampling.max_extra_rounds < 0:
             raise ValueError("rollout.dynamic_sampling.max_extra_rounds must be >= 0, got "
@@ -226,6 +232,8 @@ class RolloutCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.engine.sync(pl_module)
+        if self.trim_memory:
+            trim_malloc()
         if self.max_generated_tokens is not None and self.generated_tokens >= self.max_generated_tokens:
             if not trainer.should_stop:
                 log.info("token budget reached: %d generated tokens >= rollout.max_generated_tokens=%d; stopping "

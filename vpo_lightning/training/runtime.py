@@ -9,12 +9,17 @@ the heap top eagerly. A training step allocates and frees logits-sized buffers (
 the defaults the kernel re-faults the same pages on every micro-batch. Keeping freed memory in the heap removes that
 cost (measured in ``benchmarks/vs_trl.py``). The same effect is available to any program through the environment
 variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... MALLOC_TOP_PAD_=...``; ``mallopt`` sets them in-process.
+The price is that freed memory is never handed back: shapes change from step to step (prompt and completion
+lengths), so the freed blocks fragment the heap and resident memory grows over a long run (issue 56). The rollout
+callback therefore calls :func:`trim_malloc` once after every optimizer step (``rollout.trim_memory``): within a step
+the buffers are reused, between steps the free pages go back to the kernel (``benchmarks/rss_long_run.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -39,6 +44,15 @@ _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess: once per process, not once per step
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int = 256 << 20) -> bool:
     """Keep freed memory in the glibc heap instead of returning it to the kernel after every large free.
 
@@ -49,13 +63,8 @@ def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int =
         return False
     if any(key in os.environ for key in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+    mallopt = getattr(_libc(), "mallopt", None)  # musl and other libcs have none
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -68,6 +77,22 @@ def tune_malloc(mmap_max: int = 0, trim_threshold: int = 4 << 30, top_pad: int =
     if applied:
         log.debug("malloc tuned: mmap_max=%d trim_threshold=%d top_pad=%d", mmap_max, trim_threshold, top_pad)
     return applied
+
+
+def trim_malloc() -> bool:
+    """Hand the free pages of every glibc heap back to the kernel (``malloc_trim(0)``); True when glibc did it.
+
+    Memory still in use stays where it is; only whole free pages are released (``madvise``), so the next allocation
+    of that memory faults its pages in again. A no-op (False) outside Linux/glibc.
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)  # musl and other libcs have none
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)  # returns 1 if memory was released, 0 if there was none to release: both are success
+    return True
 
 
 def prepare_process() -> None:

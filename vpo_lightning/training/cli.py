@@ -30,10 +30,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vpo_lightning.app import report_error, underscored
 from vpo_lightning.rewards import BrokenRewardError, add_config_dir
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.config import get
-from vpo_lightning.training.runtime import report_error
 from vpo_lightning.training.schema import FIT, OUTPUT_ROOT, SUBCOMMANDS, Schema
 
 _SUBCOMMANDS_WITH_RUN = ("fit", "validate")
@@ -207,15 +207,6 @@ class VPOCLI(LightningCLI):
               f"{folder / 'sandbox.json'}", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
-
-
-def underscored(token: str) -> str:
-    """``--run-name=x`` -> ``--run_name=x``: an option's key with dashes as underscores (its value untouched); other
-    tokens as they are. The keys of `vpo fit` and `vpo sft` are Python names, which never hold a dash."""
-    if not token.startswith("--") or len(token) < 3:
-        return token
-    key, eq, value = token[2:].partition("=")
-    return "--" + key.replace("-", "_") + eq + value
 
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended

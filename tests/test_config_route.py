@@ -17,11 +17,12 @@ from vpo_lightning.commands import plan as vplan
 from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine, VLLMEngine
 from vpo_lightning.training import config_check
 from vpo_lightning.training.cli import VPOCLI
-from vpo_lightning.training.config import get, resolve
+from vpo_lightning.training.config import apply_overrides, fit_parser, get, resolve
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
 from vpo_lightning.training.sampler import Sampler
+from vpo_lightning.training.schema import FIT
 
 # A config that leaves every rollout knob but the rewards to the defaults.
 BARE = """\
@@ -131,6 +132,70 @@ def test_bad_values_are_refused_as_vpo_fit_refuses_them(tmp_path, caplog):
     run = resolve({"rollout": {"rewards": ["maze"], "num_candidate": 4}}, "c.yaml")  # misspelt: ignored, named
     assert run.value("rollout.num_candidates") == 3
     assert "c.yaml: rollout.num_candidate is not a `vpo fit` key (did you mean rollout.num_candidates" in caplog.text
+
+
+class _Built(Exception):
+    """Raised where VPOCLI would parse: carries the subcommand parsers it built."""
+
+
+def _cli_parser(subcommand: str):
+    class Stop(VPOCLI):
+        def parse_arguments(self, parser, args):
+            raise _Built(self._subcommand_parsers)
+
+    with pytest.raises(_Built) as built:
+        Stop(args=[], **FIT.cli_kwargs())
+    return built.value.args[0][subcommand]
+
+
+def _described(parser) -> tuple:
+    actions = sorted((a.dest, tuple(a.option_strings), str(getattr(a, "_typehint", None)), repr(a.default))
+                     for a in parser._actions)
+    return (parser.prog, parser.parser_mode, parser.description,
+            parser.dump(parser.get_defaults(), skip_check=True), actions)
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_the_resolver_parses_with_the_parser_vpo_fit_builds(subcommand):
+    """One schema: VPOCLI's subcommand parser and the resolver's (built without a CLI) have the same arguments,
+    types, defaults, mode and prog; configs parse to the same values."""
+    cli_parser, alone = _cli_parser(subcommand), FIT.parser(subcommand)
+    assert _described(cli_parser) == _described(alone)
+    assert alone.exit_on_error is False and fit_parser().prog == "vpo [options] fit"
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
+    assert cli_parser.dump(cli_parser.parse_args(["--config", config])) == alone.dump(alone.parse_args(
+        ["--config", config]))
+
+
+def test_settings_are_read_without_building_a_module(tmp_path, monkeypatch):
+    """`vpo plan`/`eval` read model.optim, model.loss, model.model and rollout.sampling from the parsed config: no
+    VPOModule or RolloutCallback is instantiated."""
+    (tmp_path / "bare.yaml").write_text(BARE.replace("model: {name: tiny-llama}",
+                                                     "model: {name: tiny-llama}\n  optim: {lr: 0.003}"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a module or callback was built")
+
+    monkeypatch.setattr(VPOModule, "save_hyperparameters", refuse)  # VPOModule.__init__ calls these
+    monkeypatch.setattr("vpo_lightning.training.rollout.chain_protocol", refuse)  # and RolloutCallback.__init__
+    settings = runs.run_settings(runs.load_config(tmp_path / "bare.yaml"))
+    assert settings.optim.lr == 0.003 and settings.optim.micro_batch_size == 8
+    assert settings.loss.beta == 1e-3 and settings.model.lora.r == 16 and settings.sampling.max_new_tokens == 256
+
+
+def test_one_apply_overrides(tmp_path):
+    base = {"model": {"model": {"name": "a", "lora": {"r": 4, "alpha": 8}}}, "data": {"files": [1, 2]}}
+    out = apply_overrides(base, {"model.model.lora": {"r": 16}, "data.files": [3], "rollout.group_size": 4,
+                                 "run_name": "x"})
+    assert out == {"model": {"model": {"name": "a", "lora": {"r": 16, "alpha": 8}}}, "data": {"files": [3]},
+                   "rollout": {"group_size": 4}, "run_name": "x"}
+    assert base["model"]["model"]["lora"] == {"r": 4, "alpha": 8} and base["data"]["files"] == [1, 2]
+    assert apply_overrides({"a": 1}, {"a.b": 2}) == {"a": {"b": 2}}
+    # --set KEY=VALUE: values read as YAML (1e-4 is a number), ${...} resolved after the overrides
+    path = tmp_path / "c.yaml"
+    path.write_text("run_name: a\ndata: {name: '${run_name}-data'}\nmodel: {optim: {lr: 0.1}}\n")
+    cfg = runs.load_config(path, ["run_name=b", "model.optim.lr=1e-4", "model.optim.num_iterations=2"])
+    assert cfg == {"run_name": "b", "data": {"name": "b-data"}, "model": {"optim": {"lr": 1e-4, "num_iterations": 2}}}
 
 
 def test_one_dotted_key_reader():

@@ -20,8 +20,8 @@ OTHER_MEANINGS = {
     ("vpo_lightning/api.py", "vpo"): (1, "the default run name"),
     ("vpo_lightning/launcher.py", "grpo"): (1, "`vpo grpo` is an alias of the command `vpo fit`"),
     ("vpo_lightning/serve/server.py", "vpo"): (1, "the served adapter's default model id"),
-    ("vpo_lightning/sft/cli.py", "vpo"): (1, "the program's name"),
-    ("vpo_lightning/training/cli.py", "vpo"): (4, "the program's name"),
+    ("vpo_lightning/training/cli.py", "vpo"): (2, "the program's name"),
+    ("vpo_lightning/training/schema.py", "vpo"): (2, "the program's name and `vpo fit`'s default run_name"),
     ("vpo_lightning/training/config_check.py", "vpo"): (1, "the program's name"),
 }
 

@@ -21,9 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "vpo_lightning"
 LAYERS = ("core", "tasks", "generation", "training", "commands", "entry")
 # vpo_lightning.<first part> -> layer. The reward registry is core (ChainProtocol composes its reward vector); the
-# tasks register their rewards in it and run code in the sandbox.
+# tasks register their rewards in it and run code in the sandbox. app.py (what every command shares: flag style, bad
+# input) is plain Python that the training and commands layers both use, so it sits with the core.
 PACKAGE_LAYERS = {
-    "core": "core", "rewards": "core",
+    "core": "core", "rewards": "core", "app": "core",
     "tasks": "tasks", "sandbox": "tasks",
     "generation": "generation",
     "training": "training", "sft": "training",

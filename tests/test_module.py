@@ -11,7 +11,7 @@ from conftest import build_tiny_module
 from vpo_lightning.core.protocol import build_rollout_tensors
 from vpo_lightning.core.types import Generation, Rollout
 from vpo_lightning.generation.engines import SamplingSettings, TransformersEngine
-from vpo_lightning.training.module import VPOModule, _micro_batches
+from vpo_lightning.training.module import VPOModule, padded_micro_batches
 
 
 def _module(**optim) -> VPOModule:
@@ -35,7 +35,7 @@ def _rollout(module: VPOModule, n_prompts=2, group=3, seed=0) -> Rollout:
 def test_completion_logprobs_match_plain_forward():
     module = _module()
     ro = _rollout(module)
-    [mb] = _micro_batches(ro, 100)
+    [mb] = padded_micro_batches(ro, 100)
     lp = module.completion_logprobs(module.policy, mb, temperature=1.0)  # [N, L]
     attn = mb["attention_mask"]
     logits = module.policy(input_ids=mb["input_ids"], attention_mask=attn,
@@ -52,13 +52,13 @@ def test_left_padding_does_not_change_logprobs():
     gen = Generation([[11, 12, 13], [11, 12, 13]], ["", ""], 6)
     ids, attn, comp, P = build_rollout_tensors([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]], gen, 1, 2)
     ro = Rollout(ids, attn, comp, P, torch.zeros(2), torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool), [""] * 2)
-    lp_pair = module.completion_logprobs(module.policy, _micro_batches(ro, 8)[0], 1.0)
+    lp_pair = module.completion_logprobs(module.policy, padded_micro_batches(ro, 8)[0], 1.0)
     alone_gen = Generation([[11, 12, 13]], [""], 3)
     alone_ids, alone_attn, alone_comp, Pa = build_rollout_tensors([[5, 6, 7]], alone_gen, 1, 2)
     alone = Rollout(alone_ids, alone_attn, alone_comp, Pa, torch.zeros(1), torch.zeros(1, 1, 1),
                     torch.ones(1, 1, dtype=torch.bool), [""])
-    lp_alone = module.completion_logprobs(module.policy, _micro_batches(alone, 8)[0], 1.0)
-    mb = _micro_batches(ro, 8)[0]
+    lp_alone = module.completion_logprobs(module.policy, padded_micro_batches(alone, 8)[0], 1.0)
+    mb = padded_micro_batches(ro, 8)[0]
     row = int((mb["index"] == 0).nonzero())
     torch.testing.assert_close(lp_pair[row], lp_alone[0], rtol=1e-4, atol=1e-5)
 
@@ -66,7 +66,7 @@ def test_left_padding_does_not_change_logprobs():
 def test_reference_is_policy_with_adapters_disabled():
     module = _module()
     ro = _rollout(module)
-    [mb] = _micro_batches(ro, 100)
+    [mb] = padded_micro_batches(ro, 100)
     ref = module.reference_logprobs(mb, 1.0)
     with module.policy.disable_adapter():
         base = module.completion_logprobs(module.policy, mb, 1.0)
@@ -149,7 +149,7 @@ def test_second_mini_batch_update_sees_a_ratio_against_the_pre_update_policy(mon
     logged: dict = {}
     module = _module(lr=5e-2, mini_batches=2, micro_batch_size=100)
     ro = _rollout(module, n_prompts=2, group=3)  # 6 chains -> parts of chains 0..2 and 3..5
-    [mb] = _micro_batches(ro, 100)
+    [mb] = padded_micro_batches(ro, 100)
     with torch.no_grad():
         before = module.completion_logprobs(module.policy, mb, 1.0)  # [6, L] the policy that sampled
     _trainable(module, logged)
@@ -158,7 +158,7 @@ def test_second_mini_batch_update_sees_a_ratio_against_the_pre_update_policy(mon
     (logp1, old1, m1), (logp2, old2, m2) = calls
     torch.testing.assert_close(old1[m1.bool()], logp1[m1.bool()])  # first update: ratio exactly 1
     second = module._mini_batch_parts(ro)[1][0]  # chains 3..5
-    [mb2] = _micro_batches(second, 100)
+    [mb2] = padded_micro_batches(second, 100)
     rows = [int(r) for r in (torch.arange(6)[3:])[mb2["index"]]]  # the second part's chains in ro's numbering
     row_of = {int(i): n for n, i in enumerate(mb["index"])}
     expected = torch.stack([before[row_of[r], : old2.shape[1]] for r in rows])

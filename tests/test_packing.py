@@ -10,7 +10,7 @@ from conftest import build_tiny_module
 from vpo_lightning.core.packing import pack_rows, packed_attention_mask, packed_micro_batches, prompt_groups
 from vpo_lightning.core.protocol import build_rollout_tensors
 from vpo_lightning.core.types import Generation, Rollout
-from vpo_lightning.training.module import VPOModule, _micro_batches
+from vpo_lightning.training.module import VPOModule, padded_micro_batches
 
 
 def test_mask_prompt_causal_completions_see_prompt_and_themselves():
@@ -86,7 +86,7 @@ def test_packed_logprobs_entropy_and_reference_equal_plain(attn):
     ro = _rollout()
     packed = packed_micro_batches(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.prompt_length, 5,
                                   torch.bool if attn == "sdpa" else torch.float32)
-    plain = _micro_batches(ro, 5)
+    plain = padded_micro_batches(ro, 5)
     assert len(packed) == 3  # prompts 0 and 2 are identical: 8 chains -> rows of 5 + 3, prompt 1: 4
     with torch.no_grad():
         for which in (0, 1):  # log-probs, entropy

@@ -158,27 +158,6 @@ def _check_overrides(overrides: Mapping[str, Any]) -> None:
         raise ValueError("; ".join(bad) + " (every key: vpo fit --help)")
 
 
-def _nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"rollout.group_size": 4}`` -> ``{"rollout": {"group_size": 4}}``."""
-    out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        node = out
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
 def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_dataset: Any, *,
           eval_dataset: Any = None, config: str | Path | None = None, run_name: str = "vpo",
           overrides: Mapping[str, Any] | None = None) -> Path:
@@ -202,6 +181,7 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
             print (never SystemExit).
     """
     from vpo_lightning.training import cli
+    from vpo_lightning.training.config import apply_overrides
     from vpo_lightning.training.run_folders import held_files
     from vpo_lightning.training.runtime import prepare_process
 
@@ -226,7 +206,7 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
     }
     if eval_dataset is not None:
         settings["data"]["val_files"] = [_write_dataset(eval_dataset, run_dir / "data" / "val.jsonl")]
-    _merge(settings, _nested(overrides or {}))
+    settings = apply_overrides(settings, flat)
     run_dir.mkdir(parents=True, exist_ok=True)
     api_config = run_dir / "api_config.yaml"
     import yaml

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vpo_lightning.app import parse_args
 from vpo_lightning.commands.evaluate import FORMAT, plot_curves
-from vpo_lightning.commands.tools import parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vpo_lightning.app import parse_args, run_command
 from vpo_lightning.commands.runs import (
     add_run_args,
     event_files,
@@ -40,7 +41,6 @@ from vpo_lightning.commands.runs import (
     read_scalars,
     run_config,
 )
-from vpo_lightning.commands.tools import parse_args, run_command
 from vpo_lightning.generation.adapters import refresh_card
 from vpo_lightning.training.config import get
 from vpo_lightning.training.sampler import Sampler

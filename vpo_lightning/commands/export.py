@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``vpo export``."""
-    from vpo_lightning.commands.tools import parse_args
-    from vpo_lightning.training.runtime import report_error
+    from vpo_lightning.app import parse_args, report_error
 
     args = parse_args(build_parser(), argv)  # --hub-model-id is --hub_model_id, as in every command
     try:

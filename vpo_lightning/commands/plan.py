@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.commands.tools import parse_args
+from vpo_lightning.app import parse_args
 
 GiB = 2**30
 

@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ks", help="comma-separated k for the best@k columns (default: 1, 2, 4, ... and n)")
     p.add_argument("--draws", type=int, default=2000, help="bootstrap draws (default: 2000)")
     p.add_argument("--title", default="best@k over seeds, 95% bootstrap intervals over prompts and seeds")
-    from vpo_lightning.commands.tools import parse_args
+    from vpo_lightning.app import parse_args
 
     args = parse_args(p, argv)  # the one flag style: --title and --ks as every command takes them
     try:

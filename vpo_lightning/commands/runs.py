@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vpo_lightning.training.config import get
+from vpo_lightning.training.config import apply_overrides, get
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, require
             raise ValueError(f"--config {str(path)!r}: expected a YAML mapping")
         if "fit" in cfg and OmegaConf.is_dict(cfg["fit"]):
             cfg = cfg["fit"]
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        out = OmegaConf.to_container(cfg, resolve=True)
+        data = apply_overrides(OmegaConf.to_container(cfg, resolve=False), parse_overrides(overrides or []))
+        out = OmegaConf.to_container(OmegaConf.create(data), resolve=True)  # ${...} read after the overrides
     except OmegaConfBaseException as err:
         raise ValueError(f"--config {str(path)!r}: {err}") from None
     missing = [s for s in require if s not in out]
@@ -84,6 +83,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, require
     from vpo_lightning.rewards import add_config_dir
 
     add_config_dir(path.parent)  # dotted reward paths resolve beside the config too, as in `vpo fit`
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["rollout.group_size=4"]`` -> ``{"rollout.group_size": 4}``: each value read as YAML, as OmegaConf reads a
+    dotlist (``${...}`` kept for the config's interpolation)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for item in items:
+        key = item.partition("=")[0]
+        out[key] = get(OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False), key)
     return out
 
 
@@ -120,16 +131,15 @@ def run_config(cfg: dict, source: str = "the config", estimator: str | None = No
 
 def run_settings(cfg: dict | Any) -> RunSettings:
     """The settings dataclasses of ``cfg`` (``model.model``, ``model.optim``, ``model.loss``, ``rollout.sampling``)
-    and the data, rollout and engine knobs, parsed and instantiated as `vpo fit` does (:func:`run_config`)."""
-    from vpo_lightning.generation.engines import SamplingSettings
+    and the data, rollout and engine knobs, parsed and instantiated as `vpo fit` does (:func:`run_config`); no
+    module or callback is built."""
     from vpo_lightning.training.config import RunConfig
 
     run = cfg if isinstance(cfg, RunConfig) else run_config(cfg)
-    module = run.instantiate("model")  # a VPOModule holds its settings; the policy loads only in configure_model
     engine = run.engine_class()
     return RunSettings(
-        model=module.model_settings, optim=module.optim_settings, loss=module.loss_settings,
-        sampling=SamplingSettings(**run.value("rollout.sampling").as_dict()),  # flat: parsed values, defaults in
+        model=run.model_settings(), optim=run.instantiate("model.optim"), loss=run.instantiate("model.loss"),
+        sampling=run.sampling(),
         batch_size=int(run.value("data.batch_size")), max_prompt_tokens=int(run.value("data.max_prompt_tokens")),
         group_size=int(run.value("rollout.group_size")), engine=engine.__name__, engine_args=run.engine_args(),
         accelerator=str(run.value("trainer.accelerator")), engine_class=engine,

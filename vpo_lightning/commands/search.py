@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from vpo_lightning.app import parse_args, run_command
 from vpo_lightning.commands.runs import add_run_args
-from vpo_lightning.commands.tools import parse_args, run_command
 from vpo_lightning.training.config import get
 
 log = logging.getLogger(__name__)

@@ -107,7 +107,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from vpo_lightning.commands.tools import parse_args
+from vpo_lightning.app import parse_args, report_error
 from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job, logprob_entries
 from vpo_lightning.serve.openai_api import (
     APIError,
@@ -117,7 +117,6 @@ from vpo_lightning.serve.openai_api import (
     decode_json,
     parse_chat_request,
 )
-from vpo_lightning.training.runtime import report_error
 
 log = logging.getLogger(__name__)
 

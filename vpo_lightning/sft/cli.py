@@ -13,44 +13,35 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser
-
 from vpo_lightning.sft.data import SFTDataModule
 from vpo_lightning.sft.module import SFTModule
+from vpo_lightning.training import cli
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
-from vpo_lightning.training.cli import SEED_DEFAULT, TRAINER_DEFAULTS, VPOCLI
-from vpo_lightning.training.runtime import report_error
+from vpo_lightning.training.schema import Schema
+
+# `vpo sft`: `vpo fit`'s schema without the rollout section
+SFT = Schema(SFTModule, SFTDataModule, "sft", (("checkpoint", AdapterCheckpoint),),
+             {"fit": "vpo sft", "validate": "vpo sft validate"})
 
 
-class SFTCLI(VPOCLI):
-    """VPOCLI without the rollout section: ``run_name``, ``checkpoint:`` and the same trainer defaults."""
+class SFTCLI(cli.VPOCLI):
+    """VPOCLI over the SFT schema: ``run_name``, ``checkpoint:`` and the same trainer defaults."""
 
-    PROGS = {"fit": "vpo sft", "validate": "vpo sft validate"}
+    schema = SFT
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        self.add_run_arguments(parser, "sft")
-        parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
-        parser.link_arguments("model.model.name", "data.tokenizer")
-        parser.set_defaults(TRAINER_DEFAULTS)
+
+def _fit_args(args: list[str]) -> list[str]:
+    """``fit`` is implied: ``vpo sft --config X`` = ``fit --config X``."""
+    return list(args) if args and args[0] == "fit" else ["fit", *args]
 
 
 def make_cli(args: list[str], run: bool = True) -> SFTCLI:
-    """The SFT CLI on ``args`` (``fit`` is implied: ``vpo sft --config X`` = ``fit --config X``)."""
-    argv = list(args)
-    if run and (not argv or argv[0] != "fit"):
-        argv = ["fit", *argv]
-    return SFTCLI(SFTModule, SFTDataModule, args=argv, run=run,
-                  parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
-                  save_config_kwargs={"overwrite": True}, subclass_mode_model=False, subclass_mode_data=False,
-                  auto_configure_optimizers=False, seed_everything_default=SEED_DEFAULT)
+    """The SFT CLI on ``args``; with ``run`` False, only parsed and instantiated."""
+    return cli.run_lightning(_fit_args(args) if run else list(args), SFTCLI, run=run)  # type: ignore[return-value]
 
 
 def main(args: list[str]) -> Any:
-    """``vpo sft ...`` (called by :func:`vpo_lightning.launcher.main`)."""
+    """``vpo sft ...`` (called by :func:`vpo_lightning.launcher.main`): bad input gets a one-line error, exit 2."""
     warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
-    try:
-        make_cli(args)
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, MisconfigurationException) as err:
-        raise SystemExit(report_error("vpo sft", err)) from None
+    cli.main(_fit_args(list(args)), SFTCLI, "vpo sft")
     return None

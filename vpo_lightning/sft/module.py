@@ -19,10 +19,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from vpo_lightning.core.losses import per_token_logprobs
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.sft.data import pack_examples
-from vpo_lightning.training.policy import PolicyModule, lr_factor, lr_shape, peak_rss_gb
+from vpo_lightning.training.policy import (
+    PolicyModule,
+    PolicyOptimSettings,
+    lr_factor,
+    lr_shape,
+    packed_logprobs,
+    peak_rss_gb,
+)
 
 __all__ = ["SFTModule", "SFTOptimSettings", "row_nll"]
 
@@ -30,38 +36,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SFTOptimSettings:
-    """SFT optimiser settings (AdamW; linear warm-up, then a linear or cosine decay to ``min_lr_ratio`` at max_steps).
+class SFTOptimSettings(PolicyOptimSettings):
+    """SFT optimiser settings: the policy's (:class:`~vpo_lightning.training.policy.PolicyOptimSettings`), with a
+    higher learning rate, a short warm-up and a decay by default.
 
     Args:
         lr: peak learning rate (LoRA: ~1e-4..5e-4).
         weight_decay: AdamW weight decay.
-        warmup_steps: linear warm-up steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr`` (1.0 = constant).
         schedule: the decay after the warm-up: linear or cosine (TRL's lr_scheduler_type).
-        max_grad_norm: gradient clipping norm (0 = off).
-        logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
-        max_bad_steps: stop with an error after this many non-finite steps in a row.
     """
 
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_steps: int = 5
+    schedule: Literal["linear", "cosine"] = "linear"  # type: ignore[assignment]
     min_lr_ratio: float = 0.1
-    schedule: Literal["linear", "cosine"] = "linear"
-    max_grad_norm: float = 1.0
-    logprob_chunk_size: int = 1024
-    max_bad_steps: int = 3
 
 
 def row_nll(model: nn.Module, row: dict[str, Tensor], chunk_size: int = 1024) -> tuple[Tensor, int]:
     """(sum of -log p over the row's completion tokens, their count) for one packed row."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    hidden = decoder(input_ids=row["input_ids"], attention_mask=row["attention_mask"],
-                     position_ids=row["position_ids"], use_cache=False).last_hidden_state  # [1, T, H]
-    hidden = hidden[0, row["gather"]][None]  # [1, K, H] the state before each completion token
-    logp = per_token_logprobs(hidden, head, row["targets"][None], chunk_size=chunk_size)  # [1, K]
+    one = {**row, "gather": row["gather"][None], "targets": row["targets"][None]}  # one sequence: [1, K]
+    logp = packed_logprobs(model, one, chunk_size)  # [1, K]
     return -logp.sum(), int(row["targets"].numel())
 
 
@@ -112,14 +108,8 @@ class SFTModule(PolicyModule):
         t0 = time.perf_counter()
         opt, sched = self.optimizers(), self.lr_schedulers()
         loss, tokens = self.batch_loss(batch["records"], backward=True)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(),
-                                                    self.optim_settings.max_grad_norm or float("inf")))
-        ok = math.isfinite(loss) and math.isfinite(norm)
-        if ok:
-            opt.step()
-            sched.step()
+        ok, norm = self._clipped_step(lambda: (opt.step(), sched.step()), allowed=math.isfinite(loss))
         self._guard(ok, loss)
-        opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         self.log_dict({
             "train/loss": loss, "train/completion_tokens": float(tokens), "train/grad_norm": norm,

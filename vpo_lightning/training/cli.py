@@ -26,39 +26,18 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import ActionYesNo
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vpo_lightning.app import report_error, underscored
 from vpo_lightning.rewards import BrokenRewardError, add_config_dir
 from vpo_lightning.training import config_check, run_folders
-from vpo_lightning.training.checkpointing import AdapterCheckpoint
 from vpo_lightning.training.config import get
-from vpo_lightning.training.datamodule import PromptDataModule
-from vpo_lightning.training.module import VPOModule
-from vpo_lightning.training.rollout import RolloutCallback
-from vpo_lightning.training.runtime import report_error
+from vpo_lightning.training.schema import FIT, OUTPUT_ROOT, SUBCOMMANDS, Schema
 
-OUTPUT_ROOT = "checkpoints"
 _SUBCOMMANDS_WITH_RUN = ("fit", "validate")
 log = logging.getLogger("vpo_lightning.training.cli")
-
-
-# Trainer defaults of `vpo fit` and `vpo sft`: TensorBoard under checkpoints/<run_name>/, the step progress bar.
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "trainer.max_steps": 100,
-    "trainer.log_every_n_steps": 1,
-    "trainer.num_sanity_val_steps": 0,
-    "trainer.enable_model_summary": False,
-    # no epoch (a function of the step), hp_metric (a constant -1) or LearningRateMonitor (its lr-AdamW repeats
-    # train/lr): tags that say nothing; docs/TRAINING.md lists the rest
-    "trainer.logger": {"class_path": "vpo_lightning.training.tensorboard_logger.TensorBoardLogger",
-                       "init_args": {"save_dir": OUTPUT_ROOT, "name": "", "version": "", "default_hp_metric": False}},
-    "trainer.callbacks": [{"class_path": "vpo_lightning.training.progress.StepProgressBar"}],
-    "trainer.check_val_every_n_epoch": None,
-    "trainer.val_check_interval": 50,
-}
 
 
 def sandboxed_rewards(names: list[str]) -> list[str]:
@@ -100,8 +79,10 @@ def sandbox_summary(names: list[str]) -> dict[str, Any] | None:
 
 
 class VPOCLI(LightningCLI):
-    """LightningCLI with a ``rollout:`` section, a ``checkpoint:`` section and a ``run_name`` that places outputs."""
+    """LightningCLI over a :class:`~vpo_lightning.training.schema.Schema` (``vpo fit``'s by default): its parsers
+    are built by the schema's steps, so the config resolver's ``fit`` parser (``Schema.parser``) is the same."""
 
+    schema: Schema = FIT
     run_folder: run_folders.RunFolder | None = None
     sandbox: dict[str, Any] | None = None  # the isolation of a run whose rewards run model-written code
     raise_parse_errors = False  # True: a bad value raises ValueError instead of printing and exiting 2
@@ -111,31 +92,25 @@ class VPOCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     @staticmethod
-    def add_run_arguments(parser: LightningArgumentParser, default_name: str) -> None:
-        """``--run_name`` and ``--overwrite`` (shared with `vpo sft`)."""
-        parser.add_argument("--run_name", type=str, default=default_name, help="outputs go to checkpoints/<run_name>/")
-        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
-                            help="replace a non-empty checkpoints/<run_name>/ (else refused unless resuming)")
-
-    @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit`` and ``validate`` only: LightningCLI's ``test``/``predict`` have no meaning here (``vpo eval``)."""
-        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
-                "validate": {"model", "dataloaders", "datamodule"}}
+        return {name: {str(k) for k in skip} for name, skip in SUBCOMMANDS.items()}
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        return self.schema.new_parser(**kwargs)
+
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.schema.add_seed(parser)
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self.schema.add_core(parser)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        self.add_run_arguments(parser, "vpo")
-        parser.add_lightning_class_args(RolloutCallback, "rollout")
-        parser.add_lightning_class_args(AdapterCheckpoint, "checkpoint")
-        parser.link_arguments("model.model.name", "data.tokenizer")
-        parser.set_defaults(TRAINER_DEFAULTS)
-
-    PROGS = {"fit": "vpo fit", "validate": "vpo validate"}  # what each subcommand's --help calls itself
+        self.schema.add_sections(parser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse; on failure print a short message (unknown keys with the closest known ones) instead of the usage."""
         for name, sub in getattr(self, "_subcommand_parsers", {}).items():
-            sub.prog = self.PROGS.get(name, sub.prog)
+            sub.prog = self.schema.progs.get(name, sub.prog)
         if isinstance(args, list):  # one style everywhere: --run-name is --run_name, --trainer.max-steps ...
             args = [underscored(a) for a in args]
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
@@ -212,7 +187,7 @@ class VPOCLI(LightningCLI):
         if self.trainer.is_global_zero:
             name = (self.save_config_kwargs or {}).get("config_filename", "config.yaml")
             path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / name
-            prog = self.PROGS.get("fit", "vpo fit")  # vpo sft's says vpo sft
+            prog = self.schema.progs.get("fit", "vpo fit")  # vpo sft's says vpo sft
             print(f"configuration: {path} ({prog} ... --print_config prints it)", flush=True)
             self._report_sandbox(path.parent)
 
@@ -234,16 +209,6 @@ class VPOCLI(LightningCLI):
         (folder / "sandbox.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
-def underscored(token: str) -> str:
-    """``--run-name=x`` -> ``--run_name=x``: an option's key with dashes as underscores (its value untouched); other
-    tokens as they are. The keys of `vpo fit` and `vpo sft` are Python names, which never hold a dash."""
-    if not token.startswith("--") or len(token) < 3:
-        return token
-    key, eq, value = token[2:].partition("=")
-    return "--" + key.replace("-", "_") + eq + value
-
-
-SEED_DEFAULT = 0  # seed_everything of a config that sets none: reproducible, and no "No seed found" warning
 SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended
 
 
@@ -265,30 +230,23 @@ def _last_checkpoint(run_dir: str) -> str:
     return str(path)
 
 
-def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI) -> VPOCLI:
-    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are).
-    ``cli_class``: a VPOCLI subclass; :func:`vpo_lightning.training.config.fit_parser` builds the parser here and
-    stops before parsing, so the other commands parse configs with exactly this parser."""
-    return cli_class(
-        VPOModule,
-        PromptDataModule,
-        args=args,
-        parser_kwargs={"parser_mode": "omegaconf", "default_env": False, "prog": "vpo"},
-        save_config_kwargs={"overwrite": True},
-        subclass_mode_model=False,
-        subclass_mode_data=False,
-        auto_configure_optimizers=False,  # the module's optimizer settings are model.optim.*; no --optimizer
-        seed_everything_default=SEED_DEFAULT,
-    )
+def run_lightning(args: list[str], cli_class: type[VPOCLI] = VPOCLI, run: bool = True) -> VPOCLI:
+    """Run ``vpo fit|validate ...`` (errors propagate: the notebook entry point raises them as they are) with
+    ``cli_class`` (VPOCLI or a subclass: its ``schema`` says which classes; ``vpo sft``'s is SFTCLI); with ``run``
+    False, only parse and instantiate (no subcommand)."""
+    return cli_class(args=args, run=run, **cli_class.schema.cli_kwargs())
 
 
-def main(argv: list[str]) -> None:
+BAD_INPUT = (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, BrokenRewardError,
+             MisconfigurationException)  # what a run reports in one line (exit code 2) instead of a traceback
+
+
+def main(argv: list[str], cli_class: type[VPOCLI] = VPOCLI, command: str = "vpo") -> None:
     """``vpo fit|validate ...`` as a command: bad input gets a one-line error and exit code 2."""
     try:
-        run_lightning(list(argv))
-    except (ValueError, FileNotFoundError, ImportError, OSError, FloatingPointError, BrokenRewardError,
-            MisconfigurationException) as err:
-        raise SystemExit(report_error("vpo", err)) from None
+        run_lightning(list(argv), cli_class)
+    except BAD_INPUT as err:
+        raise SystemExit(report_error(command, err)) from None
 
 
 def fit(argv: list[str]) -> None:

@@ -2,14 +2,15 @@
 
 ``vpo fit`` parses its YAML with :class:`~vpo_lightning.training.cli.VPOCLI`'s jsonargparse parser and instantiates
 the classes it names. ``vpo eval``, ``search``, ``serve``, ``plan`` and ``export`` read the same files through
-:func:`resolve`: the same parser (VPOCLI's ``fit`` parser, built without parsing a command line or running
-anything) parses the config, so every default comes from the classes' typed signatures and every value is
-type-checked as ``vpo fit`` checks it; :class:`RunConfig` then instantiates only the sections a command needs
-(the rollout callback with its chain protocol, reward vector and engine; the module's settings). Nothing here
-re-types a default or tells classes apart by their names.
+:func:`resolve`: the same parser (the ``fit`` parser of the schema VPOCLI is built from,
+:mod:`vpo_lightning.training.schema`, built without a CLI) parses the config, so every default comes from the
+classes' typed signatures and every value is type-checked as ``vpo fit`` checks it; :class:`RunConfig` then
+instantiates only what a command needs (the rollout callback with its chain protocol, reward vector and engine; the
+settings dataclasses, without the module that holds them). Nothing here re-types a default or tells classes apart
+by their names.
 
 :func:`get` is the one dotted-key reader (``get(cfg, "rollout.sampling.max_new_tokens")``) over plain dicts,
-jsonargparse namespaces and objects.
+jsonargparse namespaces and objects; :func:`apply_overrides` the one writer of dotted overrides.
 
 Lightning is imported only when a config is resolved (``vpo --help`` and the commands' ``--help`` stay light).
 """
@@ -41,6 +42,29 @@ def get(cfg: Any, dotted: str, default: Any = None) -> Any:
     return node
 
 
+def apply_overrides(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``cfg`` with each ``{dotted key: value}`` of ``overrides`` set, sections created where missing;
+    a mapping value merges into the mapping already there (as OmegaConf's merge and ``vpo fit``'s ``--config``
+    files do), any other value replaces it. The one place where dotted overrides are applied: ``vpo fit``'s
+    notebook entry (``api.train(overrides=...)``), the commands' ``--set KEY=VALUE`` and :func:`resolve`."""
+    out = _plain(cfg)
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = _merged(node.get(last), _plain(value))
+    return out
+
+
+def _merged(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
 def _contains(node: Any, key: str) -> bool:
     try:
         return key in node
@@ -57,26 +81,13 @@ def import_class(class_path: str) -> type:
         raise ValueError(f"class_path {class_path!r}: no such class") from None
 
 
-class _ParserReady(Exception):
-    """Raised by :class:`_ParserOnly` where VPOCLI would start parsing: carries the built parsers."""
-
-
 def fit_parser() -> Any:
-    """The parser of ``vpo fit`` (VPOCLI's ``fit`` subcommand parser), built as ``vpo fit`` builds it: the same
-    class, arguments, defaults, links and trainer defaults; nothing is parsed, instantiated or run."""
-    from vpo_lightning.training import cli
+    """The parser of ``vpo fit`` (its ``fit`` subcommand parser), built from the same schema as ``vpo fit``'s
+    (:data:`vpo_lightning.training.schema.FIT`): the same classes, arguments, defaults, links and trainer defaults;
+    nothing is parsed, instantiated or run. Errors raise (to the command, which reports them)."""
+    from vpo_lightning.training.schema import FIT
 
-    class _ParserOnly(cli.VPOCLI):
-        def parse_arguments(self, parser: Any, args: Any) -> None:  # LightningCLI calls this after building
-            raise _ParserReady(self._subcommand_parsers["fit"])
-
-    try:
-        cli.run_lightning([], cli_class=_ParserOnly)
-    except _ParserReady as ready:
-        parser = ready.args[0]
-        parser.exit_on_error = False  # errors are raised to the command, which reports them
-        return parser
-    raise RuntimeError("VPOCLI built no parser")  # unreachable: LightningCLI parses right after building
+    return FIT.parser("fit")
 
 
 # keys renamed since runs were saved (a run's config.yaml lists every engine argument): old -> new
@@ -146,6 +157,7 @@ def _drop_unknown(cfg: dict[str, Any], parser: Any, source: str) -> None:
 
 
 def _plain(value: Any) -> Any:
+    """``value`` as plain dicts and lists (a deep copy of them)."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -165,19 +177,29 @@ class RunConfig:
         """A parsed value (its default from the signature when the config omits it)."""
         return get(self.parsed, dotted, default)
 
-    def instantiate(self, section: str) -> Any:
-        """The object of one top-level section (``rollout``, ``model``, ``data``, ``checkpoint``), instantiated
-        as ``vpo fit`` does: the same class (the fit parser's), the parsed values, nested classes included."""
+    def instantiate(self, key: str) -> Any:
+        """The object of one class section, instantiated as ``vpo fit`` does: the same class (the fit parser's),
+        the parsed values, nested classes included. ``key`` is a top-level section (``rollout``, ``model``,
+        ``data``, ``checkpoint``) or a settings dataclass inside one (``model.optim``, ``rollout.sampling``): the
+        settings are read without building the module or the callback that holds them."""
+        import dataclasses
+
         from jsonargparse import Namespace
         from lightning.pytorch.cli import LightningArgumentParser
 
-        group = self.parser.groups.get(section)
+        group = self.parser.groups.get(key)
         cls = getattr(group, "group_class", None)
         if cls is None:
-            raise ValueError(f"{section!r} is not a class section of `vpo fit` (rollout, model, data, checkpoint)")
+            raise ValueError(f"{key!r} is not a class section of `vpo fit` (rollout, model, data, checkpoint, or "
+                             "a settings dataclass in one, e.g. model.optim)")
         one = LightningArgumentParser(exit_on_error=False)  # just this section, so others need not be complete
-        one.add_lightning_class_args(cls, section)
-        return one.instantiate(Namespace({section: self.parsed[section].clone()}))[section]
+        if dataclasses.is_dataclass(cls):
+            one.add_class_arguments(cls, key)
+        else:
+            one.add_lightning_class_args(cls, key)
+        values = Namespace()
+        values[key] = self.parsed[key].clone()
+        return one.instantiate_classes(values)[key]
 
     def rollout(self) -> Any:
         """The :class:`~vpo_lightning.training.rollout.RolloutCallback`: chain protocol, reward vector, sampling,
@@ -199,10 +221,7 @@ class RunConfig:
 
     def sampling(self) -> Any:
         """The training :class:`~vpo_lightning.generation.engines.SamplingSettings` (``rollout.sampling``)."""
-        from vpo_lightning.generation.engines import SamplingSettings
-
-        node = self.value("rollout.sampling")
-        return node if isinstance(node, SamplingSettings) else SamplingSettings(**node.as_dict())
+        return self.instantiate("rollout.sampling")
 
     def _require_rewards(self) -> None:
         if self.value("rollout.rewards") is None:
@@ -211,10 +230,7 @@ class RunConfig:
     def model_settings(self) -> Any:
         """The policy's :class:`~vpo_lightning.generation.models.ModelSettings` (``model.model``), with the values
         and defaults ``vpo fit`` gives it (types checked by the same parser; a nested ``lora`` section included)."""
-        from vpo_lightning.generation.models import ModelSettings
-
-        node = self.value("model.model")
-        return ModelSettings(**(node.as_dict() if hasattr(node, "as_dict") else dict(node or {})))
+        return self.instantiate("model.model")
 
     def engine_class(self) -> type:
         """The rollout engine's class, as the config names it (``rollout.engine.class_path``)."""
@@ -247,12 +263,7 @@ def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mappi
     _rename_old_keys(data, source)
     _rename_old_class_paths(data, source)
     _drop_unknown(data, parser, source)
-    for key, value in (overrides or {}).items():
-        *parents, last = key.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+    data = apply_overrides(data, overrides or {})
     try:
         parsed = parser.parse_object(data, _skip_required=not require_all)
     except ArgumentError as err:

@@ -24,10 +24,15 @@ from vpo_lightning.core.dynamic_sampling import rows_to_train
 from vpo_lightning.core.losses import masked_mean, per_token_logprobs, policy_loss
 from vpo_lightning.core.packing import packed_micro_batches, packing_enabled
 from vpo_lightning.core.types import Rollout
-from vpo_lightning.generation.attention import uses_vpo_attention
 from vpo_lightning.generation.models import ModelSettings
 from vpo_lightning.training.checkpointing import pause_point
-from vpo_lightning.training.policy import PolicyModule, peak_rss_gb
+from vpo_lightning.training.policy import (
+    PolicyModule,
+    PolicyOptimSettings,
+    decoder_and_head,
+    packed_logprobs,
+    peak_rss_gb,
+)
 from vpo_lightning.training.progress import show_phase
 
 log = logging.getLogger(__name__)
@@ -53,17 +58,11 @@ class LossSettings:
 
 
 @dataclass
-class OptimSettings:
-    """Optimiser settings (AdamW; a linear warm-up, then a constant learning rate, or a linear or cosine decay).
+class OptimSettings(PolicyOptimSettings):
+    """Optimiser settings of ``vpo fit``: the policy's (:class:`~vpo_lightning.training.policy.PolicyOptimSettings`:
+    AdamW, warm-up and schedule, clipping, the non-finite guard) and the RL step's updates and micro-batches.
 
     Args:
-        lr: learning rate; LoRA wants ~1e-5..1e-4 (full fine-tuning ~1e-6).
-        weight_decay: AdamW weight decay (the reference's 0.01).
-        warmup_steps: linear warm-up steps.
-        schedule: after the warm-up: constant (the reference's), or a linear or cosine decay to ``min_lr_ratio`` x lr
-            at trainer.max_steps (TRL's lr_scheduler_type).
-        min_lr_ratio: the learning rate at the last step, as a fraction of lr, for the linear and cosine schedules.
-        max_grad_norm: gradient clipping norm (0 = off).
         num_iterations: passes over each rollout batch (PPO epochs); each pass makes ``mini_batches`` updates.
         mini_batches: optimizer updates per pass over a rollout, each on its own contiguous 1/mini_batches of the
             chains (whole prompt groups when B is a multiple). With 2, the default and the reference's (train batch
@@ -74,22 +73,12 @@ class OptimSettings:
         share_prompt: pack each prompt once with up to micro_batch_size of its chains (a 4D attention mask, no
             padding), so training runs the shared prompt once per micro-batch instead of once per chain; same
             log-probs and gradients. Ignored with flash_attention_2 (no custom masks there).
-        logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
-        max_bad_steps: stop with an error after this many non-finite steps in a row.
     """
 
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
     num_iterations: int = 1
     mini_batches: int = 2
     micro_batch_size: int = 8
     share_prompt: bool = True
-    logprob_chunk_size: int = 1024
-    max_bad_steps: int = 3
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -111,7 +100,7 @@ def _select_rows(ro: Rollout, rows: Tensor) -> Rollout:
                    engine_logprobs=None if ro.engine_logprobs is None else ro.engine_logprobs[rows])
 
 
-def _micro_batches(ro: Rollout, size: int) -> list[dict[str, Tensor]]:
+def padded_micro_batches(ro: Rollout, size: int) -> list[dict[str, Tensor]]:
     """Length-bucketed micro-batches, trimmed of all-padding columns (less padding, same result)."""
     lengths = ro.completion_mask.sum(1)  # [N]
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -151,24 +140,13 @@ class VPOModule(PolicyModule):
         self.reward_dim_names: list[str] = []
 
     # ---- models ---------------------------------------------------------------------------------------------
-    def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return base.get_decoder(), base.get_output_embeddings()
-
     def completion_logprobs(self, model: nn.Module, mb: dict[str, Tensor], temperature: float,
                             entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Per-token log-probs of the completion tokens, ``[n, L]``, from a chunked pass over hidden states."""
-        decoder, head = self._decoder_and_head(model)
+        chunk = self.optim_settings.logprob_chunk_size
         if "gather" in mb:  # a packed row: [prompt | completion_1 | ... | completion_n]
-            # under SDPA, attention runs per segment (vpo_lightning.generation.attention): the prompt once, then each
-            # completion against [prompt | itself], instead of every pair of the row under the block mask
-            segments = mb["segments"].tolist() if "segments" in mb and uses_vpo_attention(decoder) else None
-            extra = {"vpo_segments": (segments[0], segments[1:])} if segments else {}
-            hidden = decoder(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                             position_ids=mb["position_ids"], use_cache=False, **extra).last_hidden_state  # [1, T, H]
-            hidden = hidden[0, mb["gather"]]  # [n, L, H] the state that predicts each completion token
-            return per_token_logprobs(hidden, head, mb["targets"], chunk_size=self.optim_settings.logprob_chunk_size,
-                                      temperature=temperature, return_entropy=entropy)
+            return packed_logprobs(model, mb, chunk, temperature, entropy)
+        decoder, head = decoder_and_head(model)
         attn = mb["attention_mask"]  # [n, P + L]
         position_ids = (attn.cumsum(1) - 1).clamp(min=0)  # [n, P + L] matches generate() with left padding
         hidden = decoder(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids,
@@ -176,8 +154,8 @@ class VPOModule(PolicyModule):
         P = mb["prompt_length"]
         hidden = hidden[:, P - 1 : -1]  # [n, L, H] the state before each completion token predicts it
         targets = mb["input_ids"][:, P:]  # [n, L]
-        return per_token_logprobs(hidden, head, targets, chunk_size=self.optim_settings.logprob_chunk_size,
-                                  temperature=temperature, return_entropy=entropy)
+        return per_token_logprobs(hidden, head, targets, chunk_size=chunk, temperature=temperature,
+                                  return_entropy=entropy)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: dict[str, Tensor], temperature: float) -> Tensor:
@@ -234,7 +212,7 @@ class VPOModule(PolicyModule):
         size = self.optim_settings.micro_batch_size
         attn_impl = self.model_settings.attn_implementation
         if not packing_enabled(self.optim_settings.share_prompt, attn_impl):
-            return _micro_batches(ro, size)
+            return padded_micro_batches(ro, size)
         # SDPA takes a boolean mask; eager attention adds the mask to scores in the model's compute dtype
         mask_dtype = torch.bool if attn_impl == "sdpa" else self.policy.get_input_embeddings().weight.dtype
         mbs = packed_micro_batches(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.prompt_length, size,
@@ -283,24 +261,21 @@ class VPOModule(PolicyModule):
         return totals
 
     def _optimizer_step(self, last: bool = True) -> tuple[bool, float]:
-        """Clip and step; only the rollout's ``last`` update advances ``trainer.global_step`` and the learning-rate
-        schedule (the others step the same optimizer through the strategy, skipping the step counter)."""
+        """Clip and step (:meth:`_clipped_step`); only the rollout's ``last`` update advances
+        ``trainer.global_step`` and the learning-rate schedule (the others step the same optimizer through the
+        strategy, skipping the step counter)."""
         opt, sched = self.optimizers(), self.lr_schedulers()
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        max_norm = self.optim_settings.max_grad_norm or float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(norm):
-            opt.zero_grad(set_to_none=True)
-            return False, norm
-        if last or not isinstance(opt, LightningOptimizer):  # a bare torch optimizer (unit tests): no counter
-            opt.step()
-        else:
-            self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure, self)
-        pause_point("optimizer_step", lambda: self.global_step - 1)  # kill tests: weights updated, scheduler not
-        opt.zero_grad(set_to_none=True)
-        if last:  # the schedule (warmup) counts rollouts, like max_steps and global_step, not updates
-            sched.step()
-        return True, norm
+
+        def step() -> None:
+            if last or not isinstance(opt, LightningOptimizer):  # a bare torch optimizer (unit tests): no counter
+                opt.step()
+            else:
+                self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure, self)
+            pause_point("optimizer_step", lambda: self.global_step - 1)  # kill tests: weights updated, scheduler not
+            if last:  # the schedule (warmup) counts rollouts, like max_steps and global_step, not updates
+                sched.step()
+
+        return self._clipped_step(step)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         ro: Rollout = batch["rollout"]

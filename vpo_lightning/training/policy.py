@@ -1,9 +1,10 @@
 """``PolicyModule``: what the two LightningModules share, ``VPOModule`` (``vpo fit``) and ``SFTModule`` (``vpo sft``).
 
 One trainable policy (LoRA by default) loaded in ``configure_model`` (idempotent), manual optimisation with AdamW
-over its trainable weights and a per-step learning-rate schedule (linear warm-up, then :meth:`lr_factor`), the guard
-that drops non-finite updates and stops after ``optim.max_bad_steps`` bad steps in a row, and checkpoints that hold
-only the trainable weights (the adapter) with the guard's count.
+over its trainable weights and a per-step learning-rate schedule (linear warm-up, then :meth:`lr_factor`), the clipped
+step and the guard that drops non-finite updates and stops after ``optim.max_bad_steps`` bad steps in a row, the
+log-probs of packed rows (:func:`packed_logprobs`), and checkpoints that hold only the trainable weights (the
+adapter) with the guard's count.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from __future__ import annotations
 import logging
 import math
 import resource
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from vpo_lightning.core.losses import per_token_logprobs
+from vpo_lightning.generation.attention import uses_vpo_attention
 from vpo_lightning.generation.models import ModelSettings, count_parameters, load_policy, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -25,6 +30,34 @@ log = logging.getLogger(__name__)
 def peak_rss_gb() -> float:
     """Peak resident memory of this process, GiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+@dataclass
+class PolicyOptimSettings:
+    """The optimiser settings every policy module has: AdamW, a linear warm-up, then a constant learning rate or a
+    linear or cosine decay; gradient clipping and the non-finite guard. ``vpo fit``'s :class:`OptimSettings` and
+    ``vpo sft``'s ``SFTOptimSettings`` extend it (and set their own defaults).
+
+    Args:
+        lr: learning rate; LoRA wants ~1e-5..1e-4 (full fine-tuning ~1e-6).
+        weight_decay: AdamW weight decay (the reference's 0.01).
+        warmup_steps: linear warm-up steps.
+        schedule: after the warm-up: constant (the reference's), or a linear or cosine decay to ``min_lr_ratio`` x lr
+            at trainer.max_steps (TRL's lr_scheduler_type).
+        min_lr_ratio: the learning rate at the last step, as a fraction of lr, for the linear and cosine schedules.
+        max_grad_norm: gradient clipping norm (0 = off).
+        logprob_chunk_size: positions per chunk of the log-softmax over the vocabulary (memory knob).
+        max_bad_steps: stop with an error after this many non-finite steps in a row.
+    """
+
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    logprob_chunk_size: int = 1024
+    max_bad_steps: int = 3
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 1.0, shape: str = "linear") -> float:
@@ -47,16 +80,40 @@ def lr_shape(optim: Any) -> tuple[str, float]:
     return schedule, float(getattr(optim, "min_lr_ratio", 0.0))
 
 
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The decoder stack and the output head of a causal LM (through a PEFT wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def packed_logprobs(model: nn.Module, row: dict[str, Tensor], chunk_size: int = 1024, temperature: float = 1.0,
+                    entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token log-probs of the completion tokens of one packed row, ``[prompt | c_1 | ... | c_n]``, from a
+    chunked pass over the hidden states: ``gather`` ``[n, L]`` holds the positions whose state predicts each
+    completion token, ``targets`` ``[n, L]`` the tokens. The RL step's micro-batches (``core/packing.py``) and the
+    SFT rows (``sft/data.py``) both take this path."""
+    decoder, head = decoder_and_head(model)
+    # under SDPA, attention runs per segment (vpo_lightning.generation.attention): the prompt once, then each
+    # completion against [prompt | itself], instead of every pair of the row under the block mask
+    segments = row["segments"].tolist() if "segments" in row and uses_vpo_attention(decoder) else None
+    extra = {"vpo_segments": (segments[0], segments[1:])} if segments else {}
+    hidden = decoder(input_ids=row["input_ids"], attention_mask=row["attention_mask"],
+                     position_ids=row["position_ids"], use_cache=False, **extra).last_hidden_state  # [1, T, H]
+    hidden = hidden[0, row["gather"]]  # [n, L, H] the state that predicts each completion token
+    return per_token_logprobs(hidden, head, row["targets"], chunk_size=chunk_size, temperature=temperature,
+                              return_entropy=entropy)
+
+
 class PolicyModule(L.LightningModule):
     """The trainable policy, its optimiser, the non-finite guard and adapter-only checkpoints.
 
     Subclasses call ``self.save_hyperparameters()`` in their own ``__init__`` (it records the caller's arguments).
-    ``optim`` is a settings object with ``lr``, ``weight_decay``, ``warmup_steps`` and ``max_bad_steps``.
+    ``optim`` is a :class:`PolicyOptimSettings` (a subclass of it: ``vpo fit``'s and ``vpo sft``'s).
     """
 
     needs_reference = True  # full fine-tuning keeps a frozen copy of the base (the KL's reference)
 
-    def __init__(self, model: ModelSettings, optim: Any) -> None:
+    def __init__(self, model: ModelSettings, optim: PolicyOptimSettings) -> None:
         super().__init__()
         self.model_settings, self.optim_settings = model, optim
         self.automatic_optimization = False
@@ -113,6 +170,17 @@ class PolicyModule(L.LightningModule):
                 f"{self._bad_steps} non-finite steps in a row (optim.max_bad_steps). The last checkpoint holds the "
                 "last good state; lower optim.lr, set model.dtype=fp32, or raise optim.max_bad_steps."
             )
+
+    def _clipped_step(self, step: Callable[[], Any], allowed: bool = True) -> tuple[bool, float]:
+        """Clip the gradients to ``optim.max_grad_norm`` (0 = off), call ``step()`` only when ``allowed`` and their
+        norm is finite (a non-finite update is dropped, never applied), then clear them. Returns (stepped, norm)."""
+        norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(),
+                                                    self.optim_settings.max_grad_norm or float("inf")))
+        ok = allowed and math.isfinite(norm)
+        if ok:
+            step()
+        self.optimizers().zero_grad(set_to_none=True)
+        return ok, norm
 
     # ---- optimiser and checkpoints --------------------------------------------------------------------------------
     def _schedule_total(self) -> int:

@@ -1,7 +1,7 @@
-"""How a ``vpo`` process starts and stops: library noise quieted, the log format, malloc tuning, one-line errors.
+"""How a ``vpo`` process starts: library noise quieted, the log format, malloc tuning.
 
 :func:`prepare_process` and :func:`tune_malloc` run once at the start of every ``vpo`` command
-(:func:`vpo_lightning.launcher.main`); :func:`report_error` is how each command answers bad input.
+(:func:`vpo_lightning.launcher.main`); how each command answers bad input is :func:`vpo_lightning.app.report_error`.
 
 Malloc tuning.
 glibc's malloc returns every large block (>= 32 MiB-ish, dynamic threshold) to the kernel with ``munmap`` and trims
@@ -105,11 +105,3 @@ def prepare_process() -> None:
     progress.quiet_lightning_logs()
     progress.quiet_libraries()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def report_error(command: str, err: BaseException) -> int:
-    """Print ``<command>: error: ...`` for bad input and return exit code 2; with ``VPO_DEBUG`` set, re-raise."""
-    if os.environ.get("VPO_DEBUG"):
-        raise err
-    print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
-    return 2

@@ -1,20 +1,37 @@
-"""What the commands beside ``vpo fit`` share: one flag style (:func:`parse_args`) and one way to finish
-(:func:`run_command`).
+"""What every ``vpo`` command shares, whatever its layer: one flag style and one way to answer bad input.
 
-Each command lives in its own module with a ``main(argv: list[str]) -> int``, listed in
-:data:`vpo_lightning.launcher.COMMANDS` and imported only when used.
+Plain Python (no torch, no Lightning), so ``vpo fit``/``vpo sft`` (``training/cli.py``, ``sft/cli.py``), the
+commands beside them (``commands/``) and ``vpo serve`` all import it: :func:`parse_args` and
+:func:`underscored` (``--max-prompts`` is ``--max_prompts``), :func:`report_error` (``<command>: error: ...``, exit
+code 2) and :func:`run_command` (a command that writes a JSON report).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vpo_lightning.training.runtime import report_error
+
+def report_error(command: str, err: BaseException) -> int:
+    """Print ``<command>: error: ...`` for bad input and return exit code 2; with ``VPO_DEBUG`` set, re-raise."""
+    if os.environ.get("VPO_DEBUG"):
+        raise err
+    print(f"{command}: error: {err}\n(set VPO_DEBUG=1 for the full traceback)", file=sys.stderr)
+    return 2
+
+
+def underscored(token: str) -> str:
+    """``--run-name=x`` -> ``--run_name=x``: an option's key with dashes as underscores (its value untouched); other
+    tokens as they are. The keys of `vpo fit` and `vpo sft` are Python names, which never hold a dash."""
+    if not token.startswith("--") or len(token) < 3:
+        return token
+    key, eq, value = token[2:].partition("=")
+    return "--" + key.replace("-", "_") + eq + value
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

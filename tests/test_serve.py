@@ -530,7 +530,7 @@ WEATHER = [{"type": "function", "function": {
 
 def _token_ids(tokenizer, entries) -> list[int]:
     """The token ids behind OpenAI logprob entries (their exact bytes, through the byte-level BPE alphabet)."""
-    from vpo_lightning.serve.batching import BYTE_DECODER
+    from vpo_lightning.serve.jobs import BYTE_DECODER
 
     encoder = {b: c for c, b in BYTE_DECODER.items()}
     return tokenizer.convert_tokens_to_ids(["".join(encoder[b] for b in e.bytes) for e in entries])

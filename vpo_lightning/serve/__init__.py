@@ -11,8 +11,9 @@
   a config, and the ``vpo serve`` command. Its docstring gives the usage and what the HTTP stack guarantees.
 """
 
-from vpo_lightning.serve.batching import BatchGenerator, Choice, Job, token_bytes
+from vpo_lightning.serve.batching import BatchGenerator
 from vpo_lightning.serve.continuous import DecodeGroup, Row, pick
+from vpo_lightning.serve.jobs import Choice, Job, token_bytes
 from vpo_lightning.serve.openai_api import (
     APIError,
     ChatRequest,

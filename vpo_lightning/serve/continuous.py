@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vpo_lightning.serve.batching import Choice, Job, logprob_entries
+from vpo_lightning.serve.jobs import Choice, Job, logprob_entries
 
 
 @dataclass

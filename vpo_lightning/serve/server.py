@@ -108,7 +108,8 @@ from starlette.responses import Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vpo_lightning.app import parse_args, report_error
-from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator, Choice, Job, logprob_entries
+from vpo_lightning.serve.batching import SMALL_PROMPT_CHARS, BatchGenerator
+from vpo_lightning.serve.jobs import Choice, Job, logprob_entries
 from vpo_lightning.serve.openai_api import (
     APIError,
     ChatRequest,

@@ -145,11 +145,11 @@ def _rename_old_class_paths(cfg: dict[str, Any], source: str) -> None:
 def _drop_unknown(cfg: dict[str, Any], parser: Any, source: str) -> None:
     """Remove from ``cfg`` (in place) the keys ``vpo fit`` does not know, each named with the closest known keys
     in a warning: the commands beside ``vpo fit`` read what they know of a config, as they always have."""
-    from vpo_lightning.training import config_check
+    from vpo_lightning.training.config_keys import config_file_keys, known_keys, suggest
 
-    leaves, sections = config_check.known_keys(parser)
-    for key in config_check.config_file_keys(cfg, leaves, sections):
-        hint = config_check.suggest(key, leaves | sections)
+    leaves, sections = known_keys(parser)
+    for key in config_file_keys(cfg, leaves, sections):
+        hint = suggest(key, leaves | sections)
         log.warning("%s: %s is not a `vpo fit` key%s; ignored", source, key,
                     f" (did you mean {' or '.join(hint)}?)" if hint else "")
         node, last = _parent(cfg, key)

@@ -12,17 +12,13 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from vpo_lightning.training.config import RENAMED_KEYS, get, import_class, renamed_class_paths
-
-# jsonargparse actions that are not settable keys (help printers); their dests end with ".help" or are "help".
-_SKIPPED_ACTIONS = ("_HelpAction", "_ActionHelpClassPath", "_ActionHelpClass")
-_GROUP_ACTIONS = ("_ActionConfigLoad",)  # "--rollout CONFIG": a section, not a leaf
-
+from vpo_lightning.training.config_keys import config_file_keys, is_known, known_keys, suggest
 
 # TRL's GRPOConfig / script names -> ours, with what differs (docs/COMING_FROM_TRL.md has the whole table)
 TRL_NAMES: dict[str, tuple[str, str]] = {
@@ -113,47 +109,6 @@ def _renamed(key: str, where: str) -> UnknownKey:
                       "by changing the key in its config.yaml)")
 
 
-def known_keys(parser: Any) -> tuple[frozenset[str], frozenset[str]]:
-    """``(leaves, sections)`` of a jsonargparse parser: settable dotted keys, and the sections above them."""
-    leaves: set[str] = set()
-    sections: set[str] = set()
-    for action in getattr(parser, "_actions", []):
-        dest, kind = getattr(action, "dest", None), type(action).__name__
-        if not dest or dest == "help" or dest.endswith(".help") or kind in _SKIPPED_ACTIONS:
-            continue
-        (sections if kind in _GROUP_ACTIONS else leaves).add(dest)
-    for key in list(leaves):
-        parts = key.split(".")
-        sections.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    return frozenset(leaves), frozenset(sections)
-
-
-def _inside_leaf(key: str, leaves: Iterable[str]) -> bool:
-    """A key below a settable key: the init_args of a class-typed option (trainer.logger.init_args.save_dir)."""
-    return any(key.startswith(leaf + ".") for leaf in leaves)
-
-
-def is_known(key: str, leaves: frozenset[str], sections: frozenset[str]) -> bool:
-    return key in leaves or key in sections or _inside_leaf(key, leaves)
-
-
-def suggest(key: str, known: Iterable[str], n: int = 2) -> list[str]:
-    """The closest known keys to ``key``: the same last part one level deeper in its section
-    (``rollout.max_new_tokens`` -> ``rollout.sampling.max_new_tokens``); by its last part within the same section;
-    failing that, by the whole dotted key; failing that, the keys with the same last part in another section
-    (``model.lora.r`` -> ``model.model.lora.r``).
-    """
-    known = sorted(set(known))
-    parent, _, last = key.rpartition(".")
-    nested = [k for k in known if parent and k.startswith(parent + ".") and k.rpartition(".")[2] == last]
-    if nested:
-        return nested[:n]
-    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
-    close = [siblings[m] for m in difflib.get_close_matches(last, list(siblings), n=n, cutoff=0.75)]
-    close = close or difflib.get_close_matches(key, known, n=n, cutoff=0.75)
-    return close or [k for k in known if k.rpartition(".")[2] == last][:n]
-
-
 def command_line_keys(argv: Sequence[str]) -> list[str]:
     """Dotted keys given as ``--key value`` / ``--key=value`` / ``--key+ value`` options."""
     keys = []
@@ -172,22 +127,6 @@ def config_paths(argv: Sequence[str]) -> list[str]:
         elif token.startswith("--config="):
             paths.append(token.split("=", 1)[1])
     return paths
-
-
-def config_file_keys(data: Mapping[str, Any], leaves: frozenset[str], sections: frozenset[str],
-                     prefix: str = "") -> list[str]:
-    """Unknown dotted keys of a loaded YAML mapping (values of settable keys are not looked into)."""
-    unknown = []
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if key in leaves or _inside_leaf(key, leaves):
-            continue
-        if key in sections:
-            if isinstance(value, Mapping):
-                unknown += config_file_keys(value, leaves, sections, key + ".")
-            continue
-        unknown.append(key)
-    return unknown
 
 
 def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:

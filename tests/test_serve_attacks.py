@@ -14,25 +14,13 @@ import time
 
 import pytest
 import torch
+from test_serve import _Scripted  # the stand-in decode group (no model)
 
 from vpo_lightning.generation.models import ModelSettings, load_base_model, load_tokenizer
 from vpo_lightning.serve import Choice, ServeSettings, build_server
 
 MSG = [{"role": "user", "content": "Say something."}]
 VALID = json.dumps({"messages": MSG, "max_tokens": 1, "temperature": 0})
-
-
-class _Scripted:
-    """A stand-in decode group: answers each prefill's jobs at once with ``answer(jobs)`` (no model)."""
-
-    def __init__(self, answer) -> None:
-        self.answer, self.jobs, self.size = answer, [], 0
-
-    def add(self, jobs):
-        return list(zip(jobs, self.answer(jobs)))
-
-    def step(self):
-        return []
 
 
 @pytest.fixture(scope="module")

@@ -369,3 +369,37 @@ def test_the_model_card_counts_in_the_singular_for_one(tmp_path):
     report = {"folder": "eval", "num_prompts": 1, "n": 2, "aggregate": {
         "best_at_k": [0.5, 1.0], "pass_at_k": [0.0, 1.0], "pairwise_l1_diversity": 0.1, "expected_best_weighted": 0.7}}
     assert ": 1 test prompt, n = 2" in _eval_lines(report)[0]
+
+
+def test_an_adapter_kept_as_its_trained_stage_rebuilds_byte_equal(two_stage, tmp_path):
+    """benchmarks/adapter_delta.py (how experiment commits keep RL adapters without repeating the cold start): the
+    trained stage alone is smaller, rebuilds the saved file bit for bit on its start adapter, and a wrong start
+    adapter is refused at split and at rebuild."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import adapter_delta
+    from safetensors.torch import load_file
+
+    full = two_stage / "checkpoints" / "rl" / "adapters" / "last"
+    start = two_stage / "checkpoints" / "sft" / "adapters" / "last"
+    delta, rebuilt = tmp_path / "delta", tmp_path / "rebuilt"
+    assert adapter_delta.split(full, start, delta) == 0
+    trained = load_file(str(delta / "trained_lora.safetensors"))
+    stacked = load_file(str(full / "adapter_model.safetensors"))
+    assert {k: v.shape[0 if "lora_A" in k else 1] for k, v in trained.items()} == dict.fromkeys(stacked, 2)
+    assert adapter_delta.rebuild(delta, rebuilt) == 0
+    assert (rebuilt / "adapter_model.safetensors").read_bytes() == (full / "adapter_model.safetensors").read_bytes()
+    assert json.loads((rebuilt / "adapter_config.json").read_text())["r"] == 6
+    other = tmp_path / "other-start"  # the same start adapter with one weight changed
+    other.mkdir()
+    for f in start.iterdir():
+        if f.is_file():
+            (other / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(start / "adapter_model.safetensors"))
+    key = sorted(weights)[0]
+    weights[key] = weights[key] + 1e-3
+    from safetensors.torch import save_file
+    save_file(weights, str(other / "adapter_model.safetensors"))
+    assert adapter_delta.split(full, other, tmp_path / "refused") == 2
+    assert not (tmp_path / "refused").exists()
+    assert adapter_delta.rebuild(delta, tmp_path / "refused", start=other) == 2
+    assert not (tmp_path / "refused").exists()

@@ -104,6 +104,40 @@ def stack_loras(stages: list[tuple[dict[str, tuple[Tensor, Tensor]], float]]) ->
     return out
 
 
+def save_stacked(state: dict[str, Tensor], path: Path) -> None:
+    """A stacked LoRA state dict as ``adapter_model.safetensors`` (one serialisation: a rebuilt file is byte-equal)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+
+
+def split_stacked(stacked: dict[str, Tensor], start_adapter: str | Path) -> dict[str, Tensor]:
+    """The trained stage of a two-stage adapter (:func:`stack_loras` of the start adapter and one trained LoRA):
+    ``A[r1:]`` and ``B[:, r1:]`` per module as a scale-1 LoRA state dict, so that :func:`restack` with the same start
+    adapter gives ``stacked`` back bit for bit. Raises ``ValueError`` when ``stacked`` does not begin with that start
+    adapter's (scaled) rows: the wrong start adapter, or one changed since."""
+    start_config, start_pairs = read_adapter(start_adapter)
+    r1 = max(a.shape[0] for a, _ in start_pairs.values())
+    pairs = lora_pairs(stacked, "the stacked adapter")
+    head = stack_loras([(start_pairs, lora_scale(start_config, f"start adapter {str(start_adapter)!r}")),
+                        ({m: (a[:0], b[:, :0]) for m, (a, b) in pairs.items()}, 1.0)])
+    out: dict[str, Tensor] = {}
+    for module, (a, b) in pairs.items():                           # a [R, in], b [out, R]
+        ka, kb = module + _LORA_KEYS[0], module + _LORA_KEYS[1]
+        if ka not in head or not (torch.equal(a[:r1], head[ka]) and torch.equal(b[:, :r1], head[kb])):
+            raise ValueError(f"the stacked adapter's first {r1} ranks of {module!r} are not the start adapter "
+                             f"{str(start_adapter)!r}: it was not trained from this start adapter (or that changed)")
+        out[ka], out[kb] = a[r1:].clone(), b[:, r1:].clone()       # [r2, in], [out, r2]
+    return out
+
+
+def restack(start_adapter: str | Path, trained: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The stacked adapter of ``start_adapter`` and a trained stage as :func:`split_stacked` returns it."""
+    start_config, start_pairs = read_adapter(start_adapter)
+    return stack_loras([(start_pairs, lora_scale(start_config, f"start adapter {str(start_adapter)!r}")),
+                        (lora_pairs(trained, "the trained stage"), 1.0)])
+
+
 @functools.lru_cache(maxsize=4)
 def _read_adapter(path: str, mtime: float) -> tuple[dict[str, Any], dict[str, tuple[Tensor, Tensor]]]:
     from vpo_lightning.generation.models import check_adapter_dir
@@ -129,7 +163,6 @@ def save_policy_adapter(policy: Any, out: Path, start_adapter: str | None = None
     """Save ``policy``'s LoRA to ``out`` in PEFT format, stacked with ``start_adapter`` when the run started from
     one, naming ``base`` as ``base_model_name_or_path``. Returns the rank written."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     policy.save_pretrained(out)  # PEFT writes the config, the weights and a blank card; the card is replaced later
     config = json.loads((out / "adapter_config.json").read_text())
@@ -140,8 +173,7 @@ def save_policy_adapter(policy: Any, out: Path, start_adapter: str | None = None
                   (pairs, lora_scale(config, "the trained LoRA"))]
         state = stack_loras(stages)
         rank = next(iter(state.values())).shape[0]
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_stacked(state, out / "adapter_model.safetensors")
         prefix = "base_model.model."
         config.update(r=rank, lora_alpha=rank, use_rslora=False, rank_pattern={}, alpha_pattern={},
                       target_modules=sorted(k.removeprefix(prefix) for k in {m for p, _ in stages for m in p}))

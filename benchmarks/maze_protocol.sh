@@ -24,7 +24,12 @@
 # PY [.venv/bin/python if present, else python]. Issue 50 (docs/EXPERIMENTS.md "The maze, settled"): DATA_SEED [$SEED:
 # the run seed also sets the prompt order; issue 38's runs used 0], LR [the config's model.optim.lr], STEP [last: the
 # adapter to evaluate, e.g. 40 for checkpoints/<run>/adapters/step=40, the checkpoint a validation rule chose],
-# SAVE_ADAPTER [1: the evaluated adapter's weights, config and card are recorded beside eval.json, under adapter/].
+# SAVE_ADAPTER [1: the evaluated adapter is recorded beside eval.json: a run from a start adapter as adapter-delta/,
+# its trained ranks only (benchmarks/adapter_delta.py; the start adapter is committed once), else under adapter/].
+# Recording apart from reading the test split (issue 50: seeds train in one session, the test split is read once,
+# later): EVAL [1; 0: train and record the run (adapter, config, curves, summary, wall time) without evaluating],
+# ADAPTER [a recorded adapter folder, full or adapter-delta/ (rebuilt and SHA-checked first), to evaluate instead
+# of training: nothing is trained, the run's recorded curves and summary are kept].
 #
 # TASK [maze]: tooluse runs the same protocol on BFCL tool use (issue 51): configs/tooluse{,_grpo,_multi_rlvr}.yaml,
 # SFT_ADAPTER [checkpoints/tooluse-sft/adapters/last], RESULTS_DIR [docs/results/tooluse], PREFIX [tooluse],
@@ -72,6 +77,8 @@ THREADS=${THREADS:-1}
 DATA_SEED=${DATA_SEED:-$SEED}
 STEP=${STEP:-last}
 SAVE_ADAPTER=${SAVE_ADAPTER:-1}
+EVAL=${EVAL:-1}
+GIVEN_ADAPTER=${ADAPTER:-}
 LR_ARG=()
 [[ -n "${LR:-}" ]] && LR_ARG=(--model.optim.lr "$LR")
 COMMIT=${COMMIT:-1}
@@ -85,7 +92,7 @@ case "$METHOD" in
   multi_rlvr) CONFIG=${CFG}_multi_rlvr.yaml ;;
   *) echo "METHOD=$METHOD: use vpo, grpo, multi_rlvr, sft_single or sft_chains" >&2; exit 2 ;;
 esac
-[[ -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config ${CFG}_sft.yaml" >&2; exit 2; }
+[[ -n "$GIVEN_ADAPTER" || -d "$SFT_ADAPTER" ]] || { echo "SFT_ADAPTER=$SFT_ADAPTER is not a directory: run vpo sft --config ${CFG}_sft.yaml" >&2; exit 2; }
 NAME="${METHOD}-s$SEED"
 RUN="$PREFIX-${METHOD//_/-}-s$SEED"
 EVAL_DIR="checkpoints/$PREFIX-eval/$NAME$([[ "$STEP" == last ]] || echo "-step$STEP")"
@@ -99,7 +106,50 @@ done_steps() {  # the global step of checkpoints/$RUN/last.ckpt, 0 when there is
     "checkpoints/$RUN/last.ckpt"
 }
 
-if [[ "$METHOD" != sft_* ]]; then
+commit_results() {  # commit $RESULTS_DIR/$NAME in $RESULTS_REPO (only those files)
+  for try in 1 2 3 4 5; do  # another commit in the same checkout may hold the index lock for a moment
+    if git -C "$RESULTS_REPO" add -- "$RESULTS_DIR/$NAME"; then
+      if git -C "$RESULTS_REPO" diff --cached --quiet -- "$RESULTS_DIR/$NAME"; then
+        echo "=== nothing new to commit in $RESULTS_DIR/$NAME"; return
+      fi
+      if git -C "$RESULTS_REPO" commit -q -m "$TASK results: $NAME$1 (benchmarks/maze_protocol.sh, commit $(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown))" \
+           -- "$RESULTS_DIR/$NAME"; then
+        echo "=== committed $RESULTS_DIR/$NAME"; return
+      fi
+    fi
+    sleep 5
+  done
+}
+record_adapter() {  # the adapter's SHA-256 and (SAVE_ADAPTER=1, RL runs) the adapter itself, into $OUT
+  sha256sum "$1/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
+  if [[ "$SAVE_ADAPTER" == 1 && "$METHOD" != sft_* ]]; then  # the cold start's adapter is committed once, by hand
+    rm -rf "$OUT/adapter" "$OUT/adapter-delta"
+    start=$("$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); print(m['start_adapter'] if m.get('includes_start_adapter') else '')" "$1/vpo_adapter.json" 2>/dev/null || true)
+    if [[ -n "$start" ]]; then
+      "$PY" benchmarks/adapter_delta.py split "$1" --start "$start" --out "$OUT/adapter-delta"
+    else
+      mkdir -p "$OUT/adapter"
+      for f in adapter_model.safetensors adapter_config.json vpo_adapter.json README.md; do
+        [[ -f "$1/$f" ]] && cp "$1/$f" "$OUT/adapter/$f"
+      done
+    fi
+  fi
+}
+OUT="$RESULTS_REPO/$RESULTS_DIR/$NAME"
+
+if [[ -n "$GIVEN_ADAPTER" ]]; then  # evaluate a recorded adapter; train nothing
+  if [[ -f "$GIVEN_ADAPTER/delta.json" ]]; then
+    ADAPTER="checkpoints/$PREFIX-eval/$NAME-adapter"
+    "$PY" benchmarks/adapter_delta.py rebuild "$GIVEN_ADAPTER" --out "$ADAPTER"
+  else
+    ADAPTER=$GIVEN_ADAPTER
+  fi
+  [[ -f "$ADAPTER/adapter_model.safetensors" ]] || { echo "ADAPTER=$GIVEN_ADAPTER: no adapter_model.safetensors" >&2; exit 2; }
+  # the run's own config.yaml, recorded beside the adapter folder (EVAL=0 writes it), else the method's config
+  given_config=$(dirname "$GIVEN_ADAPTER")/config.yaml
+  [[ -f "$given_config" ]] || given_config=$CONFIG
+  EVAL_ARGS=(--adapter "$ADAPTER" --config "$given_config")
+elif [[ "$METHOD" != sft_* ]]; then
   steps=$(done_steps)
   if (( steps < max_steps )); then
     resume=()
@@ -124,47 +174,57 @@ else
   EVAL_ARGS=(--config "$CONFIG" --set "model.model.adapter=$SFT_ADAPTER")
 fi
 
+if [[ "$EVAL" == 0 ]]; then  # record the trained run without reading the test split
+  [[ "$METHOD" != sft_* && -z "$GIVEN_ADAPTER" ]] || { echo "EVAL=0 records a training run: not with $METHOD or ADAPTER" >&2; exit 2; }
+  mkdir -p "$OUT"
+  cp "$TIMES" "$OUT/times.tsv"
+  "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
+  "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
+  cp "checkpoints/$RUN/config.yaml" "$OUT/config.yaml"
+  echo "$STEP" > "$OUT/step.txt"
+  record_adapter "$ADAPTER"
+  git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
+  echo "=== recorded $OUT (trained, not evaluated)"
+  [[ "$COMMIT" == 1 ]] && commit_results " trained, not evaluated"
+  exit 0
+fi
+
 if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
     --set "rollout.eval_temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
-  printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
+  EVAL_S=$((SECONDS - t0))
+  printf 'eval\t%s\t-\t%s\n' "$NAME" "$EVAL_S" >> "$TIMES"
 fi
 
-OUT="$RESULTS_REPO/$RESULTS_DIR/$NAME"
 mkdir -p "$OUT"
 cp "$EVAL_DIR/eval.json" "$OUT/eval.json"
-cp "$TIMES" "$OUT/times.tsv"
+if [[ -z "$GIVEN_ADAPTER" ]]; then
+  cp "$TIMES" "$OUT/times.tsv"
+elif [[ -n "${EVAL_S:-}" ]]; then  # a recorded run keeps its training times; this evaluation's is added
+  printf 'eval\t%s\t-\t%s\n' "$NAME" "$EVAL_S" >> "$OUT/times.tsv"
+fi
 "$PY" benchmarks/maze_report.py --positions "$EVAL_DIR" > "$OUT/positions.json"
 if [[ "$TASK" == tooluse ]]; then  # BFCL's own checker on every answer (what a BFCL user reads)
   [[ -f "$EVAL_DIR/bfcl.json" ]] || "$PY" -m vpo_lightning.tasks.tooluse.bfcl_check "$EVAL_DIR"
   cp "$EVAL_DIR/bfcl.json" "$OUT/bfcl.json"
 fi
-if [[ "$METHOD" != sft_* ]]; then
+if [[ "$METHOD" != sft_* && -z "$GIVEN_ADAPTER" ]]; then
   "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
   "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
 fi
-sha256sum "$ADAPTER/adapter_model.safetensors" | awk '{print $1}' > "$OUT/adapter.sha256"
-if [[ "$SAVE_ADAPTER" == 1 && "$METHOD" != sft_* ]]; then  # the cold start's adapter is committed once, by hand
-  mkdir -p "$OUT/adapter"
-  for f in adapter_model.safetensors adapter_config.json vpo_adapter.json README.md; do
-    [[ -f "$ADAPTER/$f" ]] && cp "$ADAPTER/$f" "$OUT/adapter/$f"
-  done
+if [[ -z "$GIVEN_ADAPTER" ]]; then
+  record_adapter "$ADAPTER"
+else  # the recorded adapter stays as recorded; its SHA-256 must match what was recorded with it
+  got=$(sha256sum "$ADAPTER/adapter_model.safetensors" | awk '{print $1}')
+  if [[ -f "$OUT/adapter.sha256" && "$(cat "$OUT/adapter.sha256")" != "$got" ]]; then
+    echo "ADAPTER=$GIVEN_ADAPTER: SHA-256 $got is not the one recorded in $OUT/adapter.sha256" >&2; exit 2
+  fi
+  echo "$got" > "$OUT/adapter.sha256"
 fi
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
+COMMIT_FILE=$OUT/$([[ -z "$GIVEN_ADAPTER" ]] && echo commit.txt || echo eval_commit.txt)  # a recorded run keeps its training commit
+git rev-parse HEAD > "$COMMIT_FILE" 2>/dev/null || echo unknown > "$COMMIT_FILE"
 echo "=== recorded $OUT"
-if [[ "$COMMIT" == 1 ]]; then
-  for try in 1 2 3 4 5; do  # another commit in the same checkout may hold the index lock for a moment
-    if git -C "$RESULTS_REPO" add -- "$RESULTS_DIR/$NAME"; then
-      if git -C "$RESULTS_REPO" diff --cached --quiet -- "$RESULTS_DIR/$NAME"; then
-        echo "=== nothing new to commit in $RESULTS_DIR/$NAME"; break
-      fi
-      if git -C "$RESULTS_REPO" commit -q -m "$TASK results: $NAME (benchmarks/maze_protocol.sh, commit $(cut -c1-7 "$OUT/commit.txt"))" \
-           -- "$RESULTS_DIR/$NAME"; then
-        echo "=== committed $RESULTS_DIR/$NAME"; break
-      fi
-    fi
-    sleep 5
-  done
-fi
+[[ "$COMMIT" == 1 ]] && commit_results ""
+exit 0

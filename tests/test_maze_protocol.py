@@ -62,7 +62,26 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
             == [["train", f"{prefix}-vpo-s0", "0"], ["train", f"{prefix}-vpo-s0", "1"]]
         pos = json.loads((run / "positions.json").read_text())
         assert pos["m"] == 3 and len(pos["parse_rate"]) == 3 and pos["chains"] == 2  # 2 prompts x 1 chain of 3
-        assert (run / "adapter" / "adapter_model.safetensors").exists()  # the evaluated adapter is recorded
+        # the evaluated adapter is recorded as its trained ranks (the run stacked on the SFT adapter)
+        assert (run / "adapter-delta" / "trained_lora.safetensors").exists() and not (run / "adapter").exists()
+        # EVAL=0: seed 1 trained and recorded without the test split; then its run is deleted and the recorded
+        # adapter alone is evaluated (ADAPTER=, rebuilt from the delta and SHA-checked), training nothing
+        recorded = _run(["bash", "benchmarks/maze_protocol.sh"], {**env, "MAX_STEPS": "1", "SEED": "1", "EVAL": "0"},
+                        ROOT)
+        assert "=== eval" not in recorded and "=== committed docs/results/maze/vpo-s1" in recorded
+        s1 = results / "docs" / "results" / "maze" / "vpo-s1"
+        assert {p.name for p in s1.iterdir()} >= {"adapter-delta", "adapter.sha256", "curves.json", "run_summary.md",
+                                                  "times.tsv", "config.yaml", "commit.txt"}
+        assert not (s1 / "eval.json").exists()
+        trained_commit, sha = (s1 / "commit.txt").read_text(), (s1 / "adapter.sha256").read_text()
+        subprocess.run(["rm", "-rf", str(ROOT / "checkpoints" / f"{prefix}-vpo-s1")], check=True)
+        evaluated = _run(["bash", "benchmarks/maze_protocol.sh"],
+                         {**env, "SEED": "1", "ADAPTER": str(s1 / "adapter-delta")}, ROOT)
+        assert "=== train" not in evaluated and "=== eval vpo-s1" in evaluated and "rebuilt, sha256" in evaluated
+        assert json.loads((s1 / "eval.json").read_text())["n"] == 3
+        assert (s1 / "commit.txt").read_text() == trained_commit and (s1 / "eval_commit.txt").exists()
+        assert (s1 / "adapter.sha256").read_text() == sha
+        assert [r.split("\t")[0] for r in (s1 / "times.tsv").read_text().splitlines()] == ["train", "eval"]
         _run([sys.executable, "benchmarks/maze_checkpoints.py", "--run", f"checkpoints/{prefix}-vpo-s0", "--config",
               "configs/maze5.yaml", "--coldstart", str(adapter), "--steps", "0", "--n", "3", "--val_prompts", "2",
               "--diag_prompts", "2", "--max_new_tokens", "16", "--diagnose", "--extra_eval", TINY_EVAL,
@@ -72,10 +91,12 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
                                                                  ("seen", 0.7), ("seen", 1.0)]
         assert all(r["step"] == 0 and r["prompts"] == 2 and 0 <= r["exit_rate"] <= 1 for r in rows)
         log = subprocess.run(["git", "log", "--format=%s"], cwd=results, capture_output=True, text=True).stdout
-        assert log.count("maze results: vpo-s0") == 2  # the first result, then the resumed run's
+        assert log.count("maze results: vpo-s0 (") == 2  # the first result, then the resumed run's
+        assert log.count("maze results: vpo-s1 trained, not evaluated") == 1
+        assert log.count("maze results: vpo-s1 (") == 1
         report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
         text = (results / "docs" / "results_maze.md").read_text()
-        assert "wrote" in report and "| VPO | vpo | 3 | 1 | 2 |" in text and "## Training curves" in text
+        assert "wrote" in report and "| VPO | vpo | 3 | 2 | 2 |" in text and "## Training curves" in text
     finally:
         subprocess.run(["rm", "-rf", *[str(p) for p in (ROOT / "checkpoints").glob(f"{prefix}-*")]], check=False)
 

@@ -97,7 +97,7 @@ def evaluate(args: argparse.Namespace, step: int, name: str, data: list[str], pr
                   ["--config", str(args.config), "--adapter", str(args.run / "adapters" / f"step={step}")])
         cmd = [sys.executable, "-m", "vpo_lightning", "eval", *source, *data, "--n", str(args.n),
                "--max_prompts", str(prompts), "--seed", str(seed), "--prompt_seed", str(args.prompt_seed),
-               "--set", f"rollout.eval_temperature={temperature}",
+               "--set", f"eval.temperature={temperature}",
                "--set", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
                "--label", f"{args.run.name}-step{step}-{name}-T{temperature}", "--out", str(out), "--overwrite",
                *shlex.split(args.extra_eval)]

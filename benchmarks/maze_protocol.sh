@@ -128,7 +128,7 @@ if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
-    --set "rollout.eval_temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
+    --set "eval.temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
   printf 'eval\t%s\t-\t%s\n' "$NAME" $((SECONDS - t0)) >> "$TIMES"
 fi
 

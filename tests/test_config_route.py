@@ -341,7 +341,7 @@ def test_a_run_saved_with_the_old_eval_keys_evaluates_and_resumes_under_eval(tmp
     saved.write_text(yaml.safe_dump(cfg, sort_keys=False))
     caplog.clear()
     assert evaluate("e3") == {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 24}
-    assert f"{saved}: rollout.eval_top_p is now eval.top_p; read as such" in caplog.messages
+    assert "checkpoints/old/config.yaml: rollout.eval_top_p is now eval.top_p; read as such" in caplog.messages
 
     caplog.clear()
     vpo(["fit", "--config", str(saved), "--trainer.max_steps=2", "--ckpt_path=last"])

@@ -234,7 +234,7 @@ def test_a_renamed_engine_key_is_read_in_saved_configs_and_by_vpo_fit(tmp_path, 
            "read as such" in caplog.text
     path = tmp_path / "old.yaml"
     path.write_text("rollout:\n  rewards: [maze]\n  engine:\n    init_args:\n      pack_weights: false\n")
-    assert fit_parser().parse_path(str(path), _skip_required=True).rollout.engine.init_args.prepack_weights is False
+    assert fit_parser().parse_path(str(path), _skip_validation=True).rollout.engine.init_args.prepack_weights is False
     assert config_check.find_unknown_keys(fit_parser(), ["--config", str(path)]) == []
 
 
@@ -257,7 +257,7 @@ def test_old_eval_keys_are_read_as_the_eval_section_on_every_route(tmp_path, cap
         ).temperature == 0.4
     path = tmp_path / "old.yaml"
     path.write_text("rollout:\n  rewards: [maze]\n  eval_temperature: 0.6\n")
-    parsed = fit_parser().parse_path(str(path), _skip_required=True)
+    parsed = fit_parser().parse_path(str(path), _skip_validation=True)
     assert (parsed.eval.temperature, parsed.eval.top_p) == (0.6, 1.0) and "eval_temperature" not in parsed.rollout
     assert f"{path}: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages
     assert config_check.find_unknown_keys(fit_parser(), ["--config", str(path)]) == []

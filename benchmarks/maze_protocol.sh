@@ -193,7 +193,7 @@ if [[ ! -f "$EVAL_DIR/eval.json" ]]; then
   echo "=== eval $NAME -> $EVAL_DIR"
   t0=$SECONDS
   vpo eval "${EVAL_ARGS[@]}" --split test --n "$N" --max_prompts "$PROMPTS" --seed "$SEED" --prompt_seed 0 \
-    --set "rollout.eval_temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
+    --set "eval.temperature=$TEMPERATURE" --set "rollout.sampling.max_new_tokens=$EVAL_MAX_NEW_TOKENS" --label "$NAME" --out "$EVAL_DIR" "${EVAL_EXTRA[@]}"
   EVAL_S=$((SECONDS - t0))
   printf 'eval\t%s\t-\t%s\n' "$NAME" "$EVAL_S" >> "$TIMES"
 fi

@@ -295,6 +295,97 @@ def midpoint_rows(folder: Path) -> list[str]:
     return lines + summary_table(groups, best_at_k_ks(groups)) + [""] + tradeoff_rows(groups, heading=False)
 
 
+# ---- issue 50: the checkpoint sweeps of benchmarks/maze_checkpoints.py, the rule that chooses one, their rows
+TIE = 0.005  # validation best@24 within this of the highest counts as a tie (docs/EXPERIMENTS.md, issue 50 item 5)
+
+
+def _lr_of(path: Path) -> float:
+    """The learning rate in a sweep file's name, ``<method>-lr<lr>-s<seed>.json``."""
+    return float(path.stem.split("-lr", 1)[1].rsplit("-s", 1)[0])
+
+
+def selection_score(sweep: dict[str, Any], step: int) -> float:
+    """The selection metric of one step: best@24 on the selection set (validation, temperature 0.7); NaN if absent."""
+    for row in sweep["rows"]:
+        if row["step"] == step and row["set"] == "val" and row["temperature"] == 0.7:
+            return float(row.get("best@24", math.nan))
+    return math.nan
+
+
+def choose(sweeps: dict[float, dict[str, Any]]) -> tuple[float, int, float]:
+    """The rule of docs/EXPERIMENTS.md (issue 50 item 5) over one method's sweeps ``{lr: sweep}``: among steps > 0,
+    the highest validation best@24; within ``TIE`` of it, the smaller lr, then the earlier step.
+    Returns ``(lr, step, score)``."""
+    cands = [(lr, row["step"], selection_score(sw, row["step"])) for lr, sw in sweeps.items() for row in sw["rows"]
+             if row["step"] > 0 and row["set"] == "val" and row["temperature"] == 0.7]
+    cands = [c for c in cands if not math.isnan(c[2])]
+    if not cands:
+        raise ValueError("no checkpoint after step 0 has a selection-set evaluation")
+    top = max(c[2] for c in cands)
+    return min((c for c in cands if c[2] >= top - TIE), key=lambda c: (c[0], c[1]))
+
+
+def load_sweeps(folder: Path) -> dict[str, dict[float, dict[str, Any]]]:
+    """``{method: {lr: sweep}}`` from ``<folder>/<method>-lr<lr>-s0.json`` (the grid's seed-0 runs)."""
+    out: dict[str, dict[float, dict[str, Any]]] = {}
+    for path in sorted(folder.glob("*-lr*-s0.json")) if folder.exists() else []:
+        out.setdefault(path.stem.split("-lr", 1)[0], {})[_lr_of(path)] = json.loads(path.read_text())
+    return out
+
+
+def _num(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def selection_rows(folder: Path) -> list[str]:
+    """Markdown: each method's validation best@24 per (lr, step), and the checkpoint the rule chooses."""
+    sweeps = load_sweeps(folder)
+    if not sweeps:
+        return []
+    steps = sorted({row["step"] for by_lr in sweeps.values() for sw in by_lr.values() for row in sw["rows"]})
+    lines = ["## The step size, chosen on validation", "",
+             "Validation best@24 (50 validation mazes x 24 answers, temperature 0.7) of each grid run's checkpoints "
+             "(step 0: the cold start in the method's format); the rule (docs/EXPERIMENTS.md): the highest after step "
+             f"0, within {TIE} of it the smaller lr, then the earlier step.", "",
+             "| method | lr | " + " | ".join(f"step {s}" for s in steps) + " | chosen |",
+             "|" + "---|" * (len(steps) + 3)]
+    for method, by_lr in sweeps.items():
+        lr_c, step_c, _ = choose(by_lr)
+        for lr, sw in sorted(by_lr.items()):
+            cells = [_num(selection_score(sw, s)) for s in steps]
+            mark = f"step {step_c}" if lr == lr_c else ""
+            lines.append(f"| {method} | {lr:g} | " + " | ".join(cells) + f" | {mark} |")
+    return lines + [""]
+
+
+def diagnosis_rows(folder: Path) -> list[str]:
+    """Markdown: the diagnosed runs (sweeps with the seen-training set) per step: KL, and best@24, one chain's
+    E_w max and the exit rate on 16 validation and 16 seen training mazes at temperatures 0.7 and 1.0."""
+    files = [p for p in sorted(folder.glob("*.json")) if folder.exists()]
+    diag = [(p.stem, json.loads(p.read_text())) for p in files]
+    diag = [(name, sw) for name, sw in diag if any(r["set"] == "seen" for r in sw["rows"])]
+    if not diag:
+        return []
+    sets = [("val16", 0.7), ("val16", 1.0), ("seen", 0.7), ("seen", 1.0)]
+    head = ["run", "step", "KL (10-step mean)",
+            *[f"{s} T{t}: best@24 / chain E_w / exit" for s, t in sets]]
+    lines = ["## Diagnosis: where the drop comes from", "",
+             "16 validation mazes (`val16`) and the 16 training mazes each run was given first (`seen`), 24 answers, "
+             "at the evaluation temperature (0.7) and the training one (1.0); per cell: best@24, one chain's E_w max "
+             "(VPO's own objective), the exit rate per answer. The readings fixed before the runs are in "
+             "docs/EXPERIMENTS.md.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, sw in diag:
+        for step in sorted({r["step"] for r in sw["rows"]}):
+            cells = [name, str(step), _num(next((r["kl"] for r in sw["rows"] if r["step"] == step), math.nan))]
+            for s, t in sets:
+                r = next((r for r in sw["rows"] if r["step"] == step and r["set"] == s and r["temperature"] == t),
+                         None)
+                cells.append("-" if r is None else
+                             f"{_num(r.get('best@24'))} / {_num(r['chain_ew_max'])} / {_num(r['exit_rate'])}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Path | None = None,
            checkpoints: Path | None = None) -> None:
     from vpo_lightning.commands.replicates import best_at_k_bands, plot_bands, summary_table
@@ -312,8 +403,6 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
                    f"{'Maze 5x5' if maze else 'Tool use'} (test split): best@k, 95% intervals over prompts and seeds")
         lines += ["", f"![best@k]({plot.name})", ""] + paired_rows(groups) + tradeoff_rows(groups)
     if checkpoints is not None:  # issue 50: the step-size choice on validation and the diagnosis
-        from maze_checkpoints import diagnosis_rows, selection_rows
-
         lines += selection_rows(checkpoints) + diagnosis_rows(checkpoints)
     if midpoint is not None:
         lines += midpoint_rows(midpoint)

@@ -40,7 +40,7 @@ def toy_task(tmp_path, monkeypatch):
 
 
 def test_the_documented_steps_make_a_working_task(toy_task, monkeypatch):
-    assert "addition" in registry.builtin_tasks()  # step 1-2: found by listing the folder, no list to edit
+    assert "addition" in tasks_pkg.builtin_tasks()  # step 1-2: found by listing the folder, no list to edit
     from vpo_lightning.tasks.addition import build
 
     assert build.main(["--out", str(toy_task / "data" / "addition")]) == 0  # step 3

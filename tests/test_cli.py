@@ -71,6 +71,7 @@ def _our_arguments() -> list[str]:
     from vpo_lightning.generation.models import LoraSettings, ModelSettings
     from vpo_lightning.training.module import LossSettings, OptimSettings
     from vpo_lightning.training.rollout import RolloutCallback
+    from vpo_lightning.training.sampler import EvalSettings
 
     def params(fn) -> list[str]:
         return [n for n in inspect.signature(fn).parameters if n != "self"]
@@ -81,6 +82,7 @@ def _our_arguments() -> list[str]:
     opts += [f"--model.optim.{f.name}" for f in dataclasses.fields(OptimSettings)]
     opts += [f"--rollout.sampling.{f.name}" for f in dataclasses.fields(SamplingSettings)]
     opts += [f"--rollout.{n}" for n in params(RolloutCallback) if n != "sampling"]
+    opts += [f"--eval.{f.name}" for f in dataclasses.fields(EvalSettings)]  # what vpo eval / vpo search sample at
     opts += [f"--data.{n}" for n in params(PromptDataModule) if n != "tokenizer"]  # linked to model.model.name
     return opts + ["--run_name"]
 
@@ -99,7 +101,8 @@ def test_fit_help_documents_every_argument():
     for expected in ("--rollout.estimator", "advantage estimator", "--rollout.group_size", "chains sampled per prompt",
                      "--model.model.name", "built-in alias", "--model.model.lora.r", "adapter rank",
                      "--model.loss.beta", "k3 KL", "--data.batch_size", "prompts per step",
-                     "--rollout.sampling.max_new_tokens", "--checkpoint.every_n_train_steps", "--run_name"):
+                     "--rollout.sampling.max_new_tokens", "--checkpoint.every_n_train_steps", "--run_name",
+                     "--eval.temperature", "the evaluation temperature"):
         assert expected in out, f"{expected!r} missing from vpo fit --help"
 
 

@@ -183,3 +183,15 @@ def test_api_bad_override_value_is_a_value_error_not_an_exit(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"rollout\.group_size") as err:
         train("tiny-llama", reward_funcs=["format"], train_dataset=STANDARD, overrides={"rollout.group_size": "four"})
     assert "api_config" not in str(err.value)  # the user's key, not an internal file
+
+
+def test_api_reads_a_renamed_override_key_as_its_new_one(tmp_path, monkeypatch, caplog):
+    """`rollout.eval_temperature` (now `eval.temperature`) given to `train`: read as the new key, with a notice, and
+    checked as it (an evaluation temperature of 0 is refused by name)."""
+    from vpo_lightning.api import train
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"eval\.temperature must be > 0, got 0"):
+        train("tiny-llama", reward_funcs=["format"], train_dataset=STANDARD,
+              overrides={"rollout.eval_temperature": 0, "trainer.accelerator": "cpu"})
+    assert "overrides: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from jsonargparse import Namespace
 
 from vpo_lightning.commands import evaluate, runs
@@ -18,10 +19,11 @@ from vpo_lightning.generation.engines import SamplingSettings, TransformersEngin
 from vpo_lightning.training import config_check
 from vpo_lightning.training.cli import VPOCLI
 from vpo_lightning.training.config import apply_overrides, fit_parser, get, resolve
+from vpo_lightning.training.config_keys import rename_old_flags
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
-from vpo_lightning.training.sampler import Sampler
+from vpo_lightning.training.sampler import EvalSettings, Sampler
 from vpo_lightning.training.schema import FIT
 
 # A config that leaves every rollout knob but the rewards to the defaults.
@@ -61,7 +63,7 @@ def test_eval_and_fit_resolve_the_same_defaults(tmp_path, monkeypatch):
     assert _knobs(fit.protocol) == _knobs(sampler.protocol) == ("vpo", 3, 100, 1.0, "response")
     assert (fit.m, fit.num_weights, fit.alpha, fit.tag_family) == (3, 100, 1.0, "response")  # read from protocol
     assert fit.sampling == SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256)
-    assert (fit.eval_temperature, fit.eval_top_p) == (0.7, 1.0)
+    assert cli.config_init["eval"] == EvalSettings(temperature=0.7, top_p=1.0)
     assert sampler.sampling == SamplingSettings(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=256)
     settings = runs.run_settings(runs.load_config(tmp_path / "bare.yaml"))
     assert (settings.group_size, settings.batch_size) == (fit.group_size, cli.datamodule.batch_size) == (8, 2)
@@ -75,10 +77,11 @@ def _with_defaults(fn, **new) -> tuple:
 
 
 def test_a_default_lives_in_one_signature(tmp_path, monkeypatch):
-    """Change RolloutCallback's defaults and both routes follow: nothing re-types 3, 100, 1.0, "response", 0.7."""
+    """Change RolloutCallback's and EvalSettings' defaults and both routes follow: nothing re-types 3, 100, 1.0,
+    "response", 0.7."""
     monkeypatch.setattr(RolloutCallback.__init__, "__defaults__", _with_defaults(
-        RolloutCallback.__init__, num_candidates=4, num_weights=7, alpha=0.5, tag_family="route",
-        eval_temperature=0.9, eval_top_p=0.8))
+        RolloutCallback.__init__, num_candidates=4, num_weights=7, alpha=0.5, tag_family="route"))
+    monkeypatch.setattr(EvalSettings.__init__, "__defaults__", (0.9, 0.8))
     fit, sampler, _ = _resolved_by_fit_and_eval(tmp_path, monkeypatch)
     assert _knobs(fit.protocol) == _knobs(sampler.protocol) == ("vpo", 4, 7, 0.5, "route")
     assert (sampler.sampling.temperature, sampler.sampling.top_p) == (0.9, 0.8)
@@ -220,21 +223,62 @@ def test_load_model_types_the_model_section_as_vpo_fit_does(tmp_path, monkeypatc
         runs._model_settings({"name": "tiny-llama", "dtype": "bfloat17"})
 
 
-def test_a_renamed_engine_key_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_path, caplog):
+def test_a_renamed_engine_key_is_read_in_saved_configs_and_by_vpo_fit(tmp_path, caplog):
     """A run saved before `pack_weights` became `prepack_weights` (its config.yaml lists every engine argument)
-    still evaluates; `vpo fit` names the new key instead of jsonargparse's bare refusal."""
+    still evaluates, and `vpo fit`'s parser reads the old key as the new one (it is no unknown key)."""
     old = {"rollout": {"rewards": ["maze"], "engine": {
         "class_path": "vpo_lightning.generation.engines.TransformersEngine", "init_args": {"pack_weights": False}}}}
     run = resolve(old, "old/config.yaml")
     assert run.engine_args()["prepack_weights"] is False
-    assert "pack_weights is now rollout.engine.init_args.prepack_weights" in caplog.text
+    assert "old/config.yaml: rollout.engine.init_args.pack_weights is now rollout.engine.init_args.prepack_weights; " \
+           "read as such" in caplog.text
     path = tmp_path / "old.yaml"
-    path.write_text("rollout:\n  engine:\n    init_args:\n      pack_weights: false\n")
-    from vpo_lightning.training.config import fit_parser
+    path.write_text("rollout:\n  rewards: [maze]\n  engine:\n    init_args:\n      pack_weights: false\n")
+    assert fit_parser().parse_path(str(path), _skip_validation=True).rollout.engine.init_args.prepack_weights is False
+    assert config_check.find_unknown_keys(fit_parser(), ["--config", str(path)]) == []
 
-    found = config_check.find_unknown_keys(fit_parser(), ["--config", str(path)])
-    assert [(u.key, u.suggestions) for u in found] == [
-        ("rollout.engine.init_args.pack_weights", ("rollout.engine.init_args.prepack_weights",))]
+
+def test_old_eval_keys_are_read_as_the_eval_section_on_every_route(tmp_path, caplog):
+    """`rollout.eval_temperature` / `eval_top_p` (before the `eval:` section) in a config, in overrides and in a
+    `vpo fit` config file are read as `eval.temperature` / `eval.top_p` with a one-line notice each; where the old
+    and the new key are both given, the new one wins."""
+    old = {"rollout": {"rewards": ["maze"], "eval_temperature": 0.6, "eval_top_p": 0.9}}
+    run = resolve(old, "old/config.yaml")
+    assert run.eval_sampling() == SamplingSettings(temperature=0.6, top_p=0.9, top_k=0, max_new_tokens=256)
+    assert run.sampling() == SamplingSettings()  # training sampling is untouched
+    assert "old/config.yaml: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages
+    assert "old/config.yaml: rollout.eval_top_p is now eval.top_p; read as such" in caplog.messages
+    assert old["rollout"]["eval_temperature"] == 0.6  # the caller's mapping is left as it was
+    both = {"rollout": {"rewards": ["maze"], "eval_temperature": 0.6}, "eval": {"temperature": 0.5}}
+    assert resolve(both).eval_sampling().temperature == 0.5
+    new_file = {"rollout": {"rewards": ["maze"]}, "eval": {"temperature": 0.8}}  # an old key as an override wins
+    assert resolve(new_file, overrides={"rollout.eval_temperature": 0.6}).eval_sampling().temperature == 0.6
+    assert resolve(new_file, overrides={"rollout.eval_temperature": 0.6, "eval.temperature": 0.4}).eval_sampling(
+        ).temperature == 0.4
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  rewards: [maze]\n  eval_temperature: 0.6\n")
+    parsed = fit_parser().parse_path(str(path), _skip_validation=True)
+    assert (parsed.eval.temperature, parsed.eval.top_p) == (0.6, 1.0) and "eval_temperature" not in parsed.rollout
+    assert f"{path}: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages
+    assert config_check.find_unknown_keys(fit_parser(), ["--config", str(path)]) == []
+
+
+def test_old_flags_are_spelt_as_their_new_keys(caplog):
+    assert rename_old_flags(["--rollout.eval_temperature", "0.6", "--rollout.eval_top_p=0.9", "--x", "1"]) == [
+        "--eval.temperature", "0.6", "--eval.top_p=0.9", "--x", "1"]
+    assert caplog.messages == ["the command line: rollout.eval_temperature is now eval.temperature; read as such",
+                               "the command line: rollout.eval_top_p is now eval.top_p; read as such"]
+    assert rename_old_flags(["--rollout.eval_temperature", "0.6", "--eval.temperature=0.4"]) == [
+        "--eval.temperature=0.4"]  # the new key wins, wherever it stands
+
+
+def test_eval_settings_are_checked_naming_their_keys():
+    with pytest.raises(ValueError, match=r"eval\.temperature must be > 0, got 0"):
+        EvalSettings(temperature=0)
+    with pytest.raises(ValueError, match=r"eval\.top_p must be in \(0, 1\], got 1.5"):
+        EvalSettings(top_p=1.5)
+    with pytest.raises(ValueError, match=r"eval\.top_p"):
+        resolve({"eval": {"top_p": 0}}).eval_sampling()
 
 
 def test_a_moved_class_path_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_path, caplog, capsys):
@@ -256,3 +300,53 @@ def test_a_moved_class_path_is_read_in_saved_configs_and_named_for_vpo_fit(tmp_p
         main(["fit", "--config", str(path)])
     err = capsys.readouterr().err
     assert "class_path vpo_lightning.engines.TransformersEngine moved: use vpo_lightning.generation.engines." in err
+
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = str(REPO / "data/tooluse/val.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread", "tiny_model_dir")
+def test_a_run_saved_with_the_old_eval_keys_evaluates_and_resumes_under_eval(tmp_path, monkeypatch, caplog):
+    """A real tiny-model run: `--set rollout.eval_temperature=0.6` samples at 0.6 with a notice, the new key beats
+    the old; its config.yaml rewritten to the old keys at 0.6 / 0.9 (a run saved before the `eval:` section)
+    evaluates at 0.6 / 0.9 and resumes with `--ckpt_path last`, saving them under `eval:`."""
+    import json
+
+    import yaml
+
+    from vpo_lightning.launcher import main as vpo
+
+    monkeypatch.chdir(tmp_path)
+    vpo(["fit", "--config", str(REPO / "configs/debug.yaml"), f"--data.train_files=[{DATA}]",
+         f"--data.val_files=[{DATA}]", "--run_name=old", "--trainer.max_steps=1"])
+    saved = tmp_path / "checkpoints" / "old" / "config.yaml"
+    cfg = yaml.safe_load(saved.read_text())
+    assert cfg["eval"] == {"temperature": 0.7, "top_p": 1.0} and "eval_temperature" not in cfg["rollout"]
+
+    def evaluate(out: str, *sets: str) -> dict:
+        vpo(["eval", "--ckpt", "checkpoints/old/last.ckpt", "--n", "3", "--max_prompts", "1", "--max_prompt_tokens",
+             "0", "--data_file", DATA, "--out", out, *(a for s in sets for a in ("--set", s))])
+        sampling = json.loads((tmp_path / out / "eval.json").read_text())["sampling"]
+        return {k: sampling[k] for k in ("temperature", "top_p", "max_new_tokens")}
+
+    caplog.clear()
+    assert evaluate("e1", "rollout.eval_temperature=0.6") == {"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 24}
+    assert "--set: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages
+    assert evaluate("e2", "rollout.eval_temperature=0.6", "eval.temperature=0.5")["temperature"] == 0.5
+
+    del cfg["eval"]
+    cfg["rollout"].update(eval_temperature=0.6, eval_top_p=0.9)
+    saved.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    caplog.clear()
+    assert evaluate("e3") == {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 24}
+    assert "checkpoints/old/config.yaml: rollout.eval_top_p is now eval.top_p; read as such" in caplog.messages
+
+    caplog.clear()
+    vpo(["fit", "--config", str(saved), "--trainer.max_steps=2", "--ckpt_path=last"])
+    assert f"{saved}: rollout.eval_temperature is now eval.temperature; read as such" in caplog.messages
+    resaved = yaml.safe_load(saved.read_text())
+    assert resaved["eval"] == {"temperature": 0.6, "top_p": 0.9} and "eval_top_p" not in resaved["rollout"]
+    assert resaved["rollout"]["sampling"]["temperature"] == 1.0  # training sampling as before
+    assert torch.load(saved.parent / "last.ckpt", weights_only=False)["global_step"] == 2

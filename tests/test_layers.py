@@ -3,8 +3,8 @@
 Layers, lowest first: core < tasks < generation < training < commands < entry. A module may import modules of its
 own layer and of the layers below, never above (every import statement counts, the ones inside functions too).
 The core and the tasks import neither Lightning nor transformers, peft or vLLM; generation does not import
-Lightning. Every module is listed in docs/ARCHITECTURE.md under the heading of its layer, and every module path the
-docs name exists.
+Lightning. No modules (of the package, or benchmark scripts) import each other in a loop. Every module is listed in
+docs/ARCHITECTURE.md under the heading of its layer, and every module path the docs name exists.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ HEAVY = {"core": ("lightning", "transformers", "peft", "vllm"), "tasks": ("light
 LIGHTNING_FREE = ("vpo_lightning.training.sampler", "vpo_lightning.training.records")
 
 
-def module_files() -> dict[str, Path]:
-    """``{dotted module name: file}`` of every module of the package."""
+def module_files(root: Path = REPO) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module of the package (in the tree at ``root``)."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(REPO).with_suffix("").parts
+    for path in sorted((root / PACKAGE.name).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -59,9 +59,9 @@ def layer_of(module: str) -> str:
     return "entry" if len(parts) == 1 else PACKAGE_LAYERS[parts[1]]
 
 
-def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
+def imports_of(module: str, path: Path, modules: dict[str, Path] = MODULES) -> list[tuple[int, str]]:
     """``(line, imported module)`` of every import statement in ``path``: ``from a.b import c`` imports ``a.b.c``
-    where that is a module, else ``a.b``."""
+    where that is a module (of ``modules``), else ``a.b``."""
     out = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -74,8 +74,56 @@ def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}"
-                out.append((node.lineno, full if full in MODULES else base))
+                out.append((node.lineno, full if full in modules else base))
     return out
+
+
+def import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """``{module: the modules it imports}`` over the package's modules and the benchmark scripts (named
+    ``benchmarks/<file>``; they import each other by their bare names), in the tree at ``root``. Every import
+    statement counts, the ones inside functions too: a circle through a function-level import is still a circle."""
+    modules = module_files(root)
+    scripts = {path.stem: path for path in sorted((root / "benchmarks").glob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        graph[module] = {name for _, name in imports_of(module, path, modules) if name in modules} - {module}
+    for stem, path in scripts.items():
+        names = {name.split(".")[0] for _, name in imports_of(stem, path, modules)}
+        graph[f"benchmarks/{path.name}"] = {f"benchmarks/{scripts[n].name}" for n in names if n in scripts} - {
+            f"benchmarks/{path.name}"}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
 
 
 def test_every_module_is_in_a_layer():
@@ -104,6 +152,18 @@ def test_imports_go_down_the_layers():
             if LAYERS.index(target) > rank and (owner, ".".join(name.split(".")[:2])) not in ALLOWED_UPWARD:
                 problems.append(f"{where}:{line} ({layer_of(module)}) imports {name} ({target})")
     assert not problems, "imports against the layer order " + " < ".join(LAYERS) + ":\n" + "\n".join(problems)
+
+
+def test_no_import_circles():
+    """No modules of the package, and no benchmark scripts, import each other in a loop (directly or through
+    others): each names one place below the other, as `farm-studio look` draws them."""
+    circles = import_circles(import_graph())
+    assert not circles, "modules that import each other in a loop:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_loops_through_others():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}
+    assert import_circles(graph) == [["a", "b", "c"]]
 
 
 def test_core_runs_without_lightning_transformers_peft_or_vllm():

@@ -199,7 +199,7 @@ def test_the_step_size_rule_and_its_tables(tmp_path: Path) -> None:
     """docs/EXPERIMENTS.md's rule: the highest validation best@24 after step 0; within 0.005 of it the smaller lr,
     then the earlier step. The selection table marks the choice; the diagnosis table reads the seen/val16 rows."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from maze_checkpoints import choose, diagnosis_rows, selection_rows
+    from maze_report import choose, diagnosis_rows, selection_rows
 
     def sweep(scores: dict[int, float], diagnose: bool = False) -> dict:
         rows = [{"step": s, "set": "val", "temperature": 0.7, "best@24": v, "chain_ew_max": 0.5, "exit_rate": 0.5,

@@ -19,10 +19,10 @@ from vpo_lightning.rewards import (
     RewardDeclarationError,
     RewardRangeError,
     RewardVector,
-    builtin_tasks,
     get_reward,
     register,
 )
+from vpo_lightning.tasks import builtin_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 

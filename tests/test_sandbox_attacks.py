@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from vpo_lightning import sandbox
-from vpo_lightning.sandbox import _modes
+from vpo_lightning.sandbox import _modes, _uids
 from vpo_lightning.tasks.code import code_tests_reward, run_tests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -596,8 +596,8 @@ def test_uid_pool_as_small_as_the_scoring_threads(mode: str, monkeypatch) -> Non
     from vpo_lightning.tasks.code import score_candidates
 
     workers = 4
-    pool = _modes._UidPool(workers)
-    monkeypatch.setattr(_modes, "_UIDS", pool)
+    pool = _uids._UidPool(workers)
+    monkeypatch.setattr(_uids, "_UIDS", pool)
     record = {"ground_truth": TOY}
     done: list = []
     thread = threading.Thread(target=lambda: done.append(score_candidates(
@@ -864,8 +864,8 @@ def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
     namespace (a container's) is left alone."""
     if os.geteuid() != 0 or shutil.which("bwrap") is None or shutil.which("setpriv") is None:
         pytest.skip("needs root, bubblewrap and setpriv")
-    owner = next(p for p in range(400_000, 500_000) if not _modes._pool_owner_alive(_modes._POOL_BASE + p * 256))
-    uid = str(_modes._POOL_BASE + owner * _modes._POOL_STRIDE + 3)
+    owner = next(p for p in range(400_000, 500_000) if not _uids._pool_owner_alive(_uids._POOL_BASE + p * 256))
+    uid = str(_uids._POOL_BASE + owner * _uids._POOL_STRIDE + 3)
     outer = subprocess.Popen(["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "bwrap", "--unshare-user",
                               "--die-with-parent", "--ro-bind", "/", "/", "sleep", "60"])
     inner = -1
@@ -878,7 +878,7 @@ def test_processes_left_on_a_dead_trainers_uids_are_reaped() -> None:
         end = time.monotonic() + 10  # bubblewrap writes the child's uid map after the fork: wait for it (loaded CI)
         while Path(f"/proc/{inner}/uid_map").read_text().split() != [uid, uid, "1"] and time.monotonic() < end:
             time.sleep(0.05)
-        killed = _modes.reap_stale_uids()
+        killed = _uids.reap_stale_uids()
         assert inner in killed and outer.pid not in killed
         assert outer.wait(10) != 0
     finally:

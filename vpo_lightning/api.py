@@ -182,10 +182,11 @@ def train(model: str, reward_funcs: Sequence[Callable[..., Any] | str], train_da
     """
     from vpo_lightning.training import cli
     from vpo_lightning.training.config import apply_overrides
+    from vpo_lightning.training.config_keys import rename_old_keys
     from vpo_lightning.training.run_folders import held_files
     from vpo_lightning.training.runtime import prepare_process
 
-    flat = dict(overrides or {})
+    flat = rename_old_keys(overrides or {}, "overrides")  # a renamed key is read as its new one
     _check_overrides(flat)
     run_dir = Path(cli.OUTPUT_ROOT) / run_name
     if held_files(run_dir) and not flat.get("ckpt_path"):  # refuse before rewriting an existing run's inputs

@@ -182,16 +182,12 @@ def _run_config(cfg: dict[str, Any] | Any, estimator: str | None = None) -> Any:
 
 def build_engine(cfg: dict[str, Any] | Any) -> tuple[Any, Any]:
     """``(engine, sampling)``: a ``TransformersEngine`` with the config engine's ``max_batch_size`` (0 where the
-    engine has none, e.g. vLLM), and the evaluation sampling settings: the training ``sampling`` at
-    ``rollout.eval_temperature`` and ``rollout.eval_top_p``, as the reference evaluates held-out pools."""
-    from dataclasses import replace
-
+    engine has none, e.g. vLLM), and the evaluation sampling settings (``RunConfig.eval_sampling``: the training
+    ``sampling`` at ``eval.temperature`` and ``eval.top_p``), as the reference evaluates held-out pools."""
     from vpo_lightning.generation.engines import TransformersEngine
 
     run = _run_config(cfg)
-    sampling = replace(run.sampling(), temperature=run.value("rollout.eval_temperature"),
-                       top_p=run.value("rollout.eval_top_p"))
-    return TransformersEngine(int(run.engine_args().get("max_batch_size", 0) or 0)), sampling
+    return TransformersEngine(int(run.engine_args().get("max_batch_size", 0) or 0)), run.eval_sampling()
 
 
 def sample_batch(ns: Any, run: Sampler, records: list[dict], chains: int, seed: int, call: int) -> list[PromptPool]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vpo_lightning.training.config import apply_overrides, get
+from vpo_lightning.training.config_keys import rename_old_keys
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def find_config(config: str | None, ckpt: str | None = None, adapter: str | None
 
 def load_config(path: str | Path, overrides: list[str] | None = None, *, require: tuple[str, ...] = ()) -> dict:
     """Read a `vpo fit` YAML the way ``vpo fit`` does (OmegaConf, ``${...}`` interpolation resolved; a ``fit:``
-    wrapper is accepted), apply ``KEY=VALUE`` dotted overrides and return a plain dict.
+    wrapper is accepted; renamed keys read as their new ones, in the file and in the overrides apart, so a new key
+    given as an old one still overrides the file), apply ``KEY=VALUE`` dotted overrides and return a plain dict.
 
     Args:
         path: the YAML file.
@@ -73,7 +75,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, require
             raise ValueError(f"--config {str(path)!r}: expected a YAML mapping")
         if "fit" in cfg and OmegaConf.is_dict(cfg["fit"]):
             cfg = cfg["fit"]
-        data = apply_overrides(OmegaConf.to_container(cfg, resolve=False), parse_overrides(overrides or []))
+        data = apply_overrides(rename_old_keys(OmegaConf.to_container(cfg, resolve=False), str(path)),
+                               rename_old_keys(parse_overrides(overrides or []), "--set"))  # renamed keys: new
         out = OmegaConf.to_container(OmegaConf.create(data), resolve=True)  # ${...} read after the overrides
     except OmegaConfBaseException as err:
         raise ValueError(f"--config {str(path)!r}: {err}") from None

@@ -41,7 +41,6 @@ import inspect
 import logging
 import math
 import os
-import pkgutil
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -240,17 +239,13 @@ def register(
     return wrap
 
 
-def builtin_tasks() -> list[str]:
-    """The built-in tasks: every package under :mod:`vpo_lightning.tasks` (the folder is the list)."""
-    import vpo_lightning.tasks as tasks
-
-    return sorted(info.name for info in pkgutil.iter_modules(tasks.__path__) if info.ispkg)
-
-
 def _load_builtins() -> None:
-    """Import ``vpo_lightning.tasks.<name>.reward`` of every built-in task: its import registers the task's rewards.
+    """Import ``vpo_lightning.tasks.<name>.reward`` of every built-in task (:func:`vpo_lightning.tasks.builtin_tasks`,
+    the folder is the list): its import registers the task's rewards.
 
     Imported on first lookup, not at package import."""
+    from vpo_lightning.tasks import builtin_tasks
+
     for task in builtin_tasks():
         importlib.import_module(f"vpo_lightning.tasks.{task}.reward")
 

@@ -130,9 +130,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import _codec
-from ._modes import _isolation, _uid_pool, isolation_info
+from ._modes import _isolation, isolation_info
 from ._process import _Child, _Pump
 from ._types import ALLOW_MISSING_FLAG, STRICT_FLAG, WEAK_FLAG, SandboxLimits, SandboxResult, SandboxUnavailable
+from ._uids import _uid_pool
 
 log = logging.getLogger(__name__)
 __all__ = ["ALLOW_MISSING_FLAG", "STRICT_FLAG", "WEAK_FLAG", "FunctionSession", "SandboxCallError", "SandboxLimits",
@@ -177,9 +178,9 @@ def run_python(
     """
     limits = SandboxLimits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_procs, max_file_mb, guard=guard,
                            max_disk_mb=max_disk_mb)
-    _isolation()  # probe once, before the deadline runs
+    iso = _isolation()  # probe once, before the deadline runs
     start = time.monotonic()
-    child = _Child(code, limits, "run")
+    child = _Child(code, limits, "run", iso=iso)
     pump = _Pump(child, max_output_bytes)
     try:
         pump.send(stdin.encode() if isinstance(stdin, str) else (stdin or b""), close=True)
@@ -267,7 +268,8 @@ class FunctionSession:
             self.starts += 1
             if self._uid is None and _isolation().kind == "root":
                 self._uid = _uid_pool().acquire()[0]
-            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True, uid=self._uid)
+            self._child = _Child(self.program, self.limits, "serve", merge_stderr=True, iso=_isolation(),
+                                 uid=self._uid)
             self._pump = _Pump(self._child, self.limits.max_output_bytes)
             self._ready = False
 

@@ -16,7 +16,6 @@ import weakref
 from functools import lru_cache
 from typing import Any
 
-from ._modes import _Isolation, _isolation, _uid_pool, refusal_message
 from ._types import (
     _BOX,
     _CHILD_FILES,
@@ -26,7 +25,10 @@ from ._types import (
     SandboxLimits,
     SandboxUnavailable,
     _boot,
+    _Isolation,
+    refusal_message,
 )
+from ._uids import _uid_pool
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,8 @@ class _Child:
     """One sandboxed interpreter: its process, uid and pipes, and how to kill and clean it."""
 
     def __init__(self, program: str, limits: SandboxLimits, mode: str, merge_stderr: bool = False,
-                 iso: _Isolation | None = None, uid: int | None = None) -> None:
-        self.iso = iso or _isolation()
+                 *, iso: _Isolation, uid: int | None = None) -> None:
+        self.iso = iso  # the caller probed it (._modes._isolation; its probe starts a child with the one it tests)
         if self.iso.kind == "unavailable":
             raise SandboxUnavailable(refusal_message(self.iso))
         # a uid handed in belongs to the caller (a session keeps one across restarts); otherwise take one

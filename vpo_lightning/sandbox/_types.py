@@ -1,9 +1,13 @@
-"""The sandbox's limits, results and constants, shared by its isolation, process and API modules."""
+"""The sandbox's limits, results, isolation record and constants, shared by its isolation, process and API modules."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._cgroup import Cgroups
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHILD_FILES = ("_child.py", "_codec.py")
@@ -72,3 +76,27 @@ class SandboxResult:
 
 class SandboxUnavailable(RuntimeError):
     """No kernel isolation here and weak mode was not opted into: untrusted code is refused."""
+
+
+@dataclass(frozen=True)
+class _Isolation:
+    kind: str  # "root" | "userns" | "weak" | "unavailable"
+    python: str
+    bwrap: str | None = None
+    setpriv: str | None = None
+    binds: tuple[str, ...] = ()  # bubblewrap arguments that lay out the interpreter read-only
+    reason: str = ""
+    seccomp: bytes | None = None  # the filter bubblewrap loads (None: not available here)
+    cgroups: Cgroups | None = None  # where per-run cgroups are made (None: per-process rlimits only)
+    missing: tuple[str, ...] = ()  # layers this machine lacks, each "<layer>: why" (an error unless accepted)
+
+
+def refusal_message(iso: _Isolation) -> str:
+    """Why the sandbox refuses to run code with ``iso`` and how to go on ('' when it runs code)."""
+    if iso.kind != "unavailable":
+        return ""
+    if iso.missing:  # kernel isolation, but a layer is missing and not accepted by name
+        return f"the sandbox refuses to run untrusted code: {iso.reason}"
+    return ("the sandbox has no kernel isolation here, so it refuses to run untrusted code. Install bubblewrap "
+            f"(apt-get install -y bubblewrap) and allow user namespaces, or set {WEAK_FLAG}=1 to accept weak "
+            f"isolation (the candidate can then read this machine's files). Why: {iso.reason}")

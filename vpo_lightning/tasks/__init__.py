@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import pkgutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,16 @@ def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path, **dumps_kwa
     return len(data)
 
 
+def builtin_tasks() -> list[str]:
+    """The built-in tasks: every package in this folder (the folder is the list)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if info.ispkg)
+
+
 @functools.cache
 def prompt_lists_tools(task: str) -> bool:
     """Whether the built-in task ``task`` writes a record's tools into the prompt text itself (its package sets
     ``PROMPT_LISTS_TOOLS = True``), so that the chat template must not be given them again. False for any other
     name (a user's task, no task)."""
-    from vpo_lightning.rewards import builtin_tasks  # the one list of built-in tasks (the folder)
-
     if task not in builtin_tasks():
         return False
     return bool(getattr(importlib.import_module(f"{__name__}.{task}"), "PROMPT_LISTS_TOOLS", False))

@@ -56,7 +56,7 @@ def register_demos(name: str, family: str) -> Callable[[Build], Build]:
 def demo_builders() -> dict[str, DemoBuilder]:
     """Every registered builder, the built-in tasks' first (``vpo_lightning.tasks.<name>.demos`` is imported for
     each task package that has one)."""
-    from vpo_lightning.rewards import builtin_tasks  # the one list of built-in tasks (the folder)
+    from vpo_lightning.tasks import builtin_tasks  # the one list of built-in tasks (the folder)
 
     for task in builtin_tasks():
         name = f"vpo_lightning.tasks.{task}.demos"

@@ -34,6 +34,7 @@ from vpo_lightning.app import report_error, underscored
 from vpo_lightning.rewards import BrokenRewardError, add_config_dir
 from vpo_lightning.training import config_check, run_folders
 from vpo_lightning.training.config import get
+from vpo_lightning.training.config_keys import rename_old_flags
 from vpo_lightning.training.schema import FIT, OUTPUT_ROOT, SUBCOMMANDS, Schema
 
 _SUBCOMMANDS_WITH_RUN = ("fit", "validate")
@@ -112,7 +113,7 @@ class VPOCLI(LightningCLI):
         for name, sub in getattr(self, "_subcommand_parsers", {}).items():
             sub.prog = self.schema.progs.get(name, sub.prog)
         if isinstance(args, list):  # one style everywhere: --run-name is --run_name, --trainer.max-steps ...
-            args = [underscored(a) for a in args]
+            args = rename_old_flags([underscored(a) for a in args])  # and a renamed key is read as its new one
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         saved = [p.exit_on_error for p in parsers]
         for p in parsers:

@@ -90,8 +90,6 @@ def fit_parser() -> Any:
     return FIT.parser("fit")
 
 
-# keys renamed since runs were saved (a run's config.yaml lists every engine argument): old -> new
-RENAMED_KEYS = {"rollout.engine.init_args.pack_weights": "rollout.engine.init_args.prepack_weights"}
 # class paths renamed since runs were saved (a run's config.yaml names the engine and the callbacks): the classes
 # that sat at the top of the package before the layers. old -> new
 RENAMED_CLASS_PATHS = {
@@ -106,15 +104,6 @@ def _parent(cfg: dict[str, Any], dotted: str) -> tuple[Any, str]:
     """The mapping that holds ``dotted``'s last part (None where a section is missing), and that part."""
     parent, _, last = dotted.rpartition(".")
     return (get(cfg, parent) if parent else cfg), last
-
-
-def _rename_old_keys(cfg: dict[str, Any], source: str) -> None:
-    """Move the values of :data:`RENAMED_KEYS` found in ``cfg`` (in place) to their new keys, with a warning."""
-    for old, new in RENAMED_KEYS.items():
-        node, last = _parent(cfg, old)
-        if isinstance(node, dict) and last in node:
-            node.setdefault(new.rpartition(".")[2], node.pop(last))
-            log.warning("%s: %s is now %s; read as such", source, old, new)
 
 
 def _old_class_paths(cfg: Any) -> Iterator[dict[str, Any]]:
@@ -180,8 +169,8 @@ class RunConfig:
     def instantiate(self, key: str) -> Any:
         """The object of one class section, instantiated as ``vpo fit`` does: the same class (the fit parser's),
         the parsed values, nested classes included. ``key`` is a top-level section (``rollout``, ``model``,
-        ``data``, ``checkpoint``) or a settings dataclass inside one (``model.optim``, ``rollout.sampling``): the
-        settings are read without building the module or the callback that holds them."""
+        ``data``, ``checkpoint``, ``eval``) or a settings dataclass inside one (``model.optim``,
+        ``rollout.sampling``): the settings are read without building the module or the callback that holds them."""
         import dataclasses
 
         from jsonargparse import Namespace
@@ -190,7 +179,7 @@ class RunConfig:
         group = self.parser.groups.get(key)
         cls = getattr(group, "group_class", None)
         if cls is None:
-            raise ValueError(f"{key!r} is not a class section of `vpo fit` (rollout, model, data, checkpoint, or "
+            raise ValueError(f"{key!r} is not a class section of `vpo fit` (rollout, model, data, checkpoint, eval, or "
                              "a settings dataclass in one, e.g. model.optim)")
         one = LightningArgumentParser(exit_on_error=False)  # just this section, so others need not be complete
         if dataclasses.is_dataclass(cls):
@@ -222,6 +211,15 @@ class RunConfig:
     def sampling(self) -> Any:
         """The training :class:`~vpo_lightning.generation.engines.SamplingSettings` (``rollout.sampling``)."""
         return self.instantiate("rollout.sampling")
+
+    def eval_sampling(self) -> Any:
+        """What ``vpo eval`` and ``vpo search`` sample at: the training ``rollout.sampling`` (its top-k and token
+        budget) at the ``eval:`` section's temperature and top-p
+        (:class:`~vpo_lightning.training.sampler.EvalSettings`), as the reference evaluates held-out pools."""
+        from dataclasses import replace
+
+        settings = self.instantiate("eval")
+        return replace(self.sampling(), temperature=settings.temperature, top_p=settings.top_p)
 
     def _require_rewards(self) -> None:
         if self.value("rollout.rewards") is None:
@@ -258,12 +256,13 @@ def resolve(cfg: Mapping[str, Any], source: str = "the config", overrides: Mappi
     """
     from jsonargparse import ArgumentError
 
+    from vpo_lightning.training.config_keys import rename_old_keys
+
     parser = fit_parser()
-    data = _plain(cfg)  # a copy: the renames and removals below leave the caller's mapping as it was
-    _rename_old_keys(data, source)
+    data = rename_old_keys(cfg, source)  # a copy: the renames and removals below leave the caller's mapping as it was
     _rename_old_class_paths(data, source)
     _drop_unknown(data, parser, source)
-    data = apply_overrides(data, overrides or {})
+    data = apply_overrides(data, rename_old_keys(overrides or {}, "overrides"))
     try:
         parsed = parser.parse_object(data, _skip_required=not require_all)
     except ArgumentError as err:

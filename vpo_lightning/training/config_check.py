@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from vpo_lightning.training.config import RENAMED_KEYS, get, import_class, renamed_class_paths
-from vpo_lightning.training.config_keys import config_file_keys, is_known, known_keys, suggest
+from vpo_lightning.training.config import get, import_class, renamed_class_paths
+from vpo_lightning.training.config_keys import RENAMED_KEYS, config_file_keys, is_known, known_keys, suggest
 
 # TRL's GRPOConfig / script names -> ours, with what differs (docs/COMING_FROM_TRL.md has the whole table)
 TRL_NAMES: dict[str, tuple[str, str]] = {
@@ -104,11 +104,6 @@ def unknown_key(key: str, where: str, known: frozenset[str]) -> UnknownKey:
     return UnknownKey(key, where, tuple(suggest(key, known)))
 
 
-def _renamed(key: str, where: str) -> UnknownKey:
-    return UnknownKey(key, where, (RENAMED_KEYS[key],), "(renamed; a run saved before the rename can be resumed "
-                      "by changing the key in its config.yaml)")
-
-
 def command_line_keys(argv: Sequence[str]) -> list[str]:
     """Dotted keys given as ``--key value`` / ``--key=value`` / ``--key+ value`` options."""
     keys = []
@@ -131,23 +126,23 @@ def config_paths(argv: Sequence[str]) -> list[str]:
 
 def find_unknown_keys(parser: Any, argv: Sequence[str]) -> list[UnknownKey]:
     """Keys on the command line ``argv`` (after the subcommand) and in its ``--config`` files that ``parser`` (the
-    subcommand's parser) does not know, each with the closest known keys."""
+    subcommand's parser) does not know, each with the closest known keys. A renamed key (:data:`RENAMED_KEYS`) is
+    known: the parser reads it as its new one."""
     import yaml
 
     leaves, sections = known_keys(parser)
     known = leaves | sections
     given = command_line_keys(argv)
-    found = [unknown_key(k, "the command line", known)
-             for k in given if k not in ("help", "config") and not is_known(k, leaves, sections)]
-    found += [_renamed(k, "the command line") for k in given if k in RENAMED_KEYS]
+    found = [unknown_key(k, "the command line", known) for k in given
+             if k not in ("help", "config", *RENAMED_KEYS) and not is_known(k, leaves, sections)]
     for path in config_paths(argv):
         try:
             data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports unreadable files itself
         if isinstance(data, Mapping):
-            found += [unknown_key(k, path, known) for k in config_file_keys(data, leaves, sections)]
-            found += [_renamed(k, path) for k in RENAMED_KEYS if get(data, k) is not None]
+            found += [unknown_key(k, path, known) for k in config_file_keys(data, leaves, sections)
+                      if k not in RENAMED_KEYS]
     return found
 
 

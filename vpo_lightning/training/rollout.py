@@ -80,10 +80,6 @@ class RolloutCallback(L.Callback):
             on groups with signal, at most ``max_extra_rounds`` extra generation rounds per step (one process only).
         max_at_k_k: k of the max_at_k estimator, 1 <= k < group_size; null = the reference's max(2, G // 2).
             Ignored by the other estimators.
-        eval_temperature: the temperature ``vpo eval`` and ``vpo search`` sample at (training and in-loop validation
-            use ``sampling``); the reference's held-out evaluation uses 0.7 in every domain.
-        eval_top_p: the top-p of ``vpo eval`` / ``vpo search``; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use,
-            EUREQA).
         trim_memory: after every optimizer step, hand the free pages of the process's heaps back to the kernel
             (glibc ``malloc_trim``; a no-op elsewhere). Without it resident memory grows over a long run as the
             step's buffers, sized by each step's lengths, fragment the heap (issue 56, docs/SPEED.md).
@@ -107,12 +103,8 @@ class RolloutCallback(L.Callback):
         max_generated_tokens: int | None = None,
         dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings(),  # noqa: B008 - never mutated
         max_at_k_k: int | None = None,
-        eval_temperature: float = 0.7,
-        eval_top_p: float = 1.0,
         trim_memory: bool = True,
     ) -> None:
-        SamplingSettings(temperature=eval_temperature, top_p=eval_top_p)  # the same checks as sampling's
-        self.eval_temperature, self.eval_top_p = eval_temperature, eval_top_p
         self.protocol = chain_protocol(rewards, estimator, num_candidates, group_size, num_weights, alpha, tag_family,
                                        seed, reward_workers, max_at_k_k)
         if max_generated_tokens is not None and max_generated_tokens < 1:

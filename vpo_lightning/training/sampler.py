@@ -17,7 +17,8 @@ One training step, top to bottom (:meth:`Sampler.sample`, then :meth:`Sampler.ro
    (``vpo_lightning/training/module.py``), which calls :func:`vpo_lightning.core.losses.policy_loss` on it.
 
 ``vpo eval`` and ``vpo search`` sample held-out records with the same class (:meth:`Sampler.generate_chains`):
-the same prompts, parser and reward vector, at the evaluation temperature, with no advantages. The rollout
+the same prompts, parser and reward vector, at the evaluation temperature and top-p (:class:`EvalSettings`, the
+run's ``eval:`` section), with no advantages. The rollout
 callback (``vpo_lightning/training/rollout.py``) drives a Sampler inside Lightning and adds what a trainer needs:
 when to sample, the progress bar, preemption, the token budget, logs and completion files.
 
@@ -52,7 +53,27 @@ from vpo_lightning.generation.engines import Engine, SamplingSettings
 from vpo_lightning.generation.models import prompt_token_ids
 from vpo_lightning.training.records import template_tools
 
-__all__ = ["Sampler", "chain_protocol", "validate_settings"]
+__all__ = ["EvalSettings", "Sampler", "chain_protocol", "validate_settings"]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How ``vpo eval`` and ``vpo search`` sample held-out prompts (the ``eval:`` section); training and in-loop
+    validation sample at ``rollout.sampling``, whose top-k and token budget evaluation keeps.
+
+    Args:
+        temperature: the evaluation temperature; the reference's held-out evaluation uses 0.7 in every domain.
+        top_p: the evaluation top-p; the reference: 1.0 (maze, MuSiQue), 0.95 (tool use, EUREQA).
+    """
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"eval.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass

@@ -18,9 +18,11 @@ from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.cli import LightningArgumentParser
 
 from vpo_lightning.training.checkpointing import AdapterCheckpoint
+from vpo_lightning.training.config_keys import rename_old_keys
 from vpo_lightning.training.datamodule import PromptDataModule
 from vpo_lightning.training.module import VPOModule
 from vpo_lightning.training.rollout import RolloutCallback
+from vpo_lightning.training.sampler import EvalSettings
 
 OUTPUT_ROOT = "checkpoints"
 SEED_DEFAULT = 0  # seed_everything of a config that sets none: reproducible, and no "No seed found" warning
@@ -47,6 +49,27 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+class ConfigParser(LightningArgumentParser):
+    """The parser of ``vpo fit``/``vpo sft`` and their subcommands: a config it loads (a ``--config`` file, a saved
+    ``config.yaml`` resumed with ``--ckpt_path last``, a mapping the resolver parses) has its renamed keys read as
+    their new ones (:func:`~vpo_lightning.training.config_keys.rename_old_keys`), each with a one-line notice."""
+
+    _source = "the config"  # the file being loaded, for the notice
+
+    def parse_path(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        saved, self._source = self._source, str(path)
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self._source = saved
+
+    def _apply_actions(self, cfg: Any, parent_key: str = "", prev_cfg: Any = None, skip_fn: Any = None) -> Any:
+        # every loaded config reaches the parser's actions here as one plain mapping (jsonargparse 4.x)
+        if isinstance(cfg, dict) and not parent_key:
+            cfg = rename_old_keys(cfg, self._source)
+        return super()._apply_actions(cfg, parent_key, prev_cfg, skip_fn)
+
+
 @dataclass(frozen=True)
 class Schema:
     """What one command's configuration holds.
@@ -57,6 +80,9 @@ class Schema:
         run_name: the default of ``--run_name``.
         sections: further class sections, ``(key, class)``, e.g. ``("rollout", RolloutCallback)``.
         progs: what each subcommand's ``--help`` calls itself.
+        settings: settings dataclasses of their own section, ``(key, dataclass)``, e.g. ``("eval", EvalSettings)``:
+            parsed, saved in ``config.yaml`` and read by the commands beside ``vpo fit``; no training object
+            takes them.
     """
 
     model: type
@@ -64,13 +90,14 @@ class Schema:
     run_name: str
     sections: tuple[tuple[str, type], ...] = ()
     progs: Mapping[str, str] = field(default_factory=dict)
+    settings: tuple[tuple[str, type], ...] = ()
 
     # ---- the steps LightningCLI takes to build a subcommand's parser (VPOCLI's hooks call these) ------------------
     @staticmethod
-    def new_parser(**kwargs: Any) -> LightningArgumentParser:
+    def new_parser(**kwargs: Any) -> ConfigParser:
         """An empty parser with ``--config`` (LightningCLI's ``init_parser``)."""
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning_version}"])
-        parser = LightningArgumentParser(**kwargs)
+        parser = ConfigParser(**kwargs)
         parser.add_argument("-c", "--config", action=ActionConfigFile,
                             help="Path to a configuration file in json or yaml format.")
         return parser
@@ -95,6 +122,8 @@ class Schema:
                             help="replace a non-empty checkpoints/<run_name>/ (else refused unless resuming)")
         for key, cls in self.sections:
             parser.add_lightning_class_args(cls, key)
+        for key, cls in self.settings:
+            parser.add_class_arguments(cls, key, sub_configs=True)
         parser.link_arguments("model.model.name", "data.tokenizer")
         parser.set_defaults(TRAINER_DEFAULTS)
 
@@ -125,4 +154,4 @@ class Schema:
 
 # `vpo fit` / `vpo validate`: the policy module, the prompts, the rollout and the checkpoints
 FIT = Schema(VPOModule, PromptDataModule, "vpo", (("rollout", RolloutCallback), ("checkpoint", AdapterCheckpoint)),
-             {"fit": "vpo fit", "validate": "vpo validate"})
+             {"fit": "vpo fit", "validate": "vpo validate"}, (("eval", EvalSettings),))

@@ -42,11 +42,39 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _restacked_into(tmp: Path, start: Path, trained: Path, want: str) -> bool:
+    """Write ``tmp/adapter_model.safetensors`` = ``start`` restacked with the trained ranks in ``trained``; True when
+    its SHA-256 is ``want``. The one serialisation both directions use, so a rebuild is byte-equal to the split."""
+    from safetensors.torch import load_file
+
+    from vpo_lightning.generation.adapters import restack, save_stacked
+
+    save_stacked(restack(start, load_file(str(trained))), tmp / WEIGHTS)
+    return sha256(tmp / WEIGHTS) == want
+
+
+def _fresh(out: Path) -> Path:
+    """An empty temporary folder beside ``out`` (renamed into place at the end: nothing half-written at ``out``)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, source: Path, out: Path) -> None:
+    """Copy ``source``'s side files into ``tmp`` and move ``tmp`` to ``out``."""
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
 def split(full: Path, start: Path, out: Path) -> int:
     """Write ``out`` (the delta folder) from the adapter folder ``full``; checks the rebuild before writing."""
     from safetensors.torch import load_file, save_file
 
-    from vpo_lightning.generation.adapters import restack, save_stacked, split_stacked
+    from vpo_lightning.generation.adapters import split_stacked
 
     if not (full / WEIGHTS).is_file():
         return _fail(f"{full}: no {WEIGHTS}: give an adapter folder (checkpoints/<run>/adapters/step=N)")
@@ -56,25 +84,18 @@ def split(full: Path, start: Path, out: Path) -> int:
         trained = split_stacked(load_file(str(full / WEIGHTS)), start)
     except ValueError as err:
         return _fail(f"{full}: {err}")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh(out)
     save_file(trained, str(tmp / TRAINED), metadata={"format": "pt"})
-    save_stacked(restack(start, load_file(str(tmp / TRAINED))), tmp / WEIGHTS)
     want = sha256(full / WEIGHTS)
-    if sha256(tmp / WEIGHTS) != want:
+    if not _restacked_into(tmp, start, tmp / TRAINED, want):
         shutil.rmtree(tmp)
         return _fail(f"{full}: the rebuilt weights differ from the saved ones; nothing written")
     (tmp / WEIGHTS).unlink()
-    for name in SIDE_FILES:
-        if (full / name).is_file():
-            shutil.copy2(full / name, tmp / name)
     facts = {"start_adapter": str(start), "start_sha256": sha256(start / WEIGHTS), "full_sha256": want,
              "full_bytes": (full / WEIGHTS).stat().st_size,
              "rebuild": f"python benchmarks/adapter_delta.py rebuild {out} --out <folder>"}
     (tmp / DELTA).write_text(json.dumps(facts, indent=1) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _finish(tmp, full, out)
     print(f"{out}: {(out / TRAINED).stat().st_size / 1e6:.1f} MB for {facts['full_bytes'] / 1e6:.1f} MB "
           f"(sha256 {want[:12]} rebuilt and checked)")
     return 0
@@ -82,10 +103,6 @@ def split(full: Path, start: Path, out: Path) -> int:
 
 def rebuild(delta: Path, out: Path, start: Path | None = None) -> int:
     """Write the full adapter folder ``out`` from the delta folder ``delta``; refuses a SHA-256 mismatch."""
-    from safetensors.torch import load_file
-
-    from vpo_lightning.generation.adapters import restack, save_stacked
-
     if not (delta / DELTA).is_file():
         return _fail(f"{delta}: no {DELTA}: give a folder written by `adapter_delta.py split`")
     facts = json.loads((delta / DELTA).read_text())
@@ -94,18 +111,11 @@ def rebuild(delta: Path, out: Path, start: Path | None = None) -> int:
         return _fail(f"start adapter {start}: no {WEIGHTS} (run from the repository root, or pass --start)")
     if sha256(start / WEIGHTS) != facts["start_sha256"]:
         return _fail(f"start adapter {start}: its SHA-256 is not the one {delta / DELTA} records")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_stacked(restack(start, load_file(str(delta / TRAINED))), tmp / WEIGHTS)
-    if sha256(tmp / WEIGHTS) != facts["full_sha256"]:
+    tmp = _fresh(out)
+    if not _restacked_into(tmp, start, delta / TRAINED, facts["full_sha256"]):
         shutil.rmtree(tmp)
         return _fail(f"{delta}: the rebuilt weights' SHA-256 is not the recorded one; nothing written")
-    for name in SIDE_FILES:
-        if (delta / name).is_file():
-            shutil.copy2(delta / name, tmp / name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _finish(tmp, delta, out)
     print(f"{out}: rebuilt, sha256 {facts['full_sha256'][:12]} checked")
     return 0
 

@@ -8,6 +8,8 @@
 #   METHOD=vpo SEED=0 bash benchmarks/maze_protocol.sh          # train (or resume) -> evaluate -> record
 #   METHOD=sft_single SEED=0 bash benchmarks/maze_protocol.sh   # the cold start itself, single answers / chains
 #   bash benchmarks/maze_protocol.sh report                     # docs/results_maze*.{md,png} from the committed files
+#   (report knobs: RESULTS_DIR, REPORT_OUT [docs/results_$TASK.md], REPORT_TITLE, COLDSTART_DIR, MIDPOINT_DIR, CHECKPOINTS_DIR;
+#   a folder that does not exist is left out)
 #
 # METHOD: vpo | grpo | multi_rlvr (configs/maze5{,_grpo,_multi_rlvr}.yaml) | sft_single | sft_chains.
 # A run whose checkpoints/<run>/last.ckpt exists resumes from it (`--ckpt_path last`); a finished run (its
@@ -53,8 +55,10 @@ esac
 RESULTS_DIR=${RESULTS_DIR:-docs/results/$TASK}
 
 if [[ "${1:-}" == report ]]; then
+  REPORT_OUT=${REPORT_OUT:-docs/results_$TASK.md}
+  title=(); [[ -n "${REPORT_TITLE:-}" ]] && title=(--title "$REPORT_TITLE")
   if [[ "$TASK" != maze ]]; then  # no maze-only sections (cold-start gate, step-50, checkpoint sweeps)
-    exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" --out "$RESULTS_REPO/docs/results_$TASK.md"
+    exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" --out "$RESULTS_REPO/$REPORT_OUT" "${title[@]}"
   fi
   midpoint=()  # the post-hoc step-50 evaluations, where they exist
   [[ -d "$RESULTS_REPO/${MIDPOINT_DIR:-docs/results/maze-step50}" ]] \
@@ -63,7 +67,7 @@ if [[ "${1:-}" == report ]]; then
   [[ -d "$RESULTS_REPO/${CHECKPOINTS_DIR:-docs/results/maze-settled/checkpoints}" ]] \
     && sweeps=(--checkpoints "$RESULTS_REPO/${CHECKPOINTS_DIR:-docs/results/maze-settled/checkpoints}")
   exec "$PY" benchmarks/maze_report.py --results "$RESULTS_REPO/$RESULTS_DIR" "${midpoint[@]}" "${sweeps[@]}" \
-    --coldstart "$RESULTS_REPO/${COLDSTART_DIR:-docs/results/maze-coldstart}" --out "$RESULTS_REPO/docs/results_maze.md"
+    --coldstart "$RESULTS_REPO/${COLDSTART_DIR:-docs/results/maze-coldstart}" --out "$RESULTS_REPO/$REPORT_OUT" "${title[@]}"
 fi
 
 METHOD=${METHOD:?set METHOD to vpo, grpo, multi_rlvr, sft_single or sft_chains}

@@ -139,6 +139,10 @@ record_adapter() {  # the adapter's SHA-256 and (SAVE_ADAPTER=1, RL runs) the ad
     fi
   fi
 }
+record_run() {  # the training run's summary and curves, into $OUT
+  "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
+  "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
+}
 OUT="$RESULTS_REPO/$RESULTS_DIR/$NAME"
 
 if [[ -n "$GIVEN_ADAPTER" ]]; then  # evaluate a recorded adapter; train nothing
@@ -149,6 +153,11 @@ if [[ -n "$GIVEN_ADAPTER" ]]; then  # evaluate a recorded adapter; train nothing
     ADAPTER=$GIVEN_ADAPTER
   fi
   [[ -f "$ADAPTER/adapter_model.safetensors" ]] || { echo "ADAPTER=$GIVEN_ADAPTER: no adapter_model.safetensors" >&2; exit 2; }
+  # the recorded adapter stays as recorded; its SHA-256 must match what was recorded with it (checked before evaluating)
+  GIVEN_SHA=$(sha256sum "$ADAPTER/adapter_model.safetensors" | awk '{print $1}')
+  if [[ -f "$OUT/adapter.sha256" && "$(cat "$OUT/adapter.sha256")" != "$GIVEN_SHA" ]]; then
+    echo "ADAPTER=$GIVEN_ADAPTER: SHA-256 $GIVEN_SHA is not the one recorded in $OUT/adapter.sha256" >&2; exit 2
+  fi
   # the run's own config.yaml, recorded beside the adapter folder (EVAL=0 writes it), else the method's config
   given_config=$(dirname "$GIVEN_ADAPTER")/config.yaml
   [[ -f "$given_config" ]] || given_config=$CONFIG
@@ -182,8 +191,7 @@ if [[ "$EVAL" == 0 ]]; then  # record the trained run without reading the test s
   [[ "$METHOD" != sft_* && -z "$GIVEN_ADAPTER" ]] || { echo "EVAL=0 records a training run: not with $METHOD or ADAPTER" >&2; exit 2; }
   mkdir -p "$OUT"
   cp "$TIMES" "$OUT/times.tsv"
-  "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
-  "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
+  record_run
   cp "checkpoints/$RUN/config.yaml" "$OUT/config.yaml"
   echo "$STEP" > "$OUT/step.txt"
   record_adapter "$ADAPTER"
@@ -214,18 +222,11 @@ if [[ "$TASK" == tooluse ]]; then  # BFCL's own checker on every answer (what a 
   [[ -f "$EVAL_DIR/bfcl.json" ]] || "$PY" -m vpo_lightning.tasks.tooluse.bfcl_check "$EVAL_DIR"
   cp "$EVAL_DIR/bfcl.json" "$OUT/bfcl.json"
 fi
-if [[ "$METHOD" != sft_* && -z "$GIVEN_ADAPTER" ]]; then
-  "$PY" benchmarks/run_summary.py "checkpoints/$RUN" --first 10 --last 10 > "$OUT/run_summary.md"
-  "$PY" benchmarks/maze_report.py --curves "checkpoints/$RUN" > "$OUT/curves.json"
-fi
+[[ "$METHOD" != sft_* && -z "$GIVEN_ADAPTER" ]] && record_run
 if [[ -z "$GIVEN_ADAPTER" ]]; then
   record_adapter "$ADAPTER"
-else  # the recorded adapter stays as recorded; its SHA-256 must match what was recorded with it
-  got=$(sha256sum "$ADAPTER/adapter_model.safetensors" | awk '{print $1}')
-  if [[ -f "$OUT/adapter.sha256" && "$(cat "$OUT/adapter.sha256")" != "$got" ]]; then
-    echo "ADAPTER=$GIVEN_ADAPTER: SHA-256 $got is not the one recorded in $OUT/adapter.sha256" >&2; exit 2
-  fi
-  echo "$got" > "$OUT/adapter.sha256"
+else
+  echo "$GIVEN_SHA" > "$OUT/adapter.sha256"
 fi
 COMMIT_FILE=$OUT/$([[ -z "$GIVEN_ADAPTER" ]] && echo commit.txt || echo eval_commit.txt)  # a recorded run keeps its training commit
 git rev-parse HEAD > "$COMMIT_FILE" 2>/dev/null || echo unknown > "$COMMIT_FILE"

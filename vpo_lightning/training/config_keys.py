@@ -118,7 +118,7 @@ def _put(cfg: dict[str, Any], dotted: str, value: Any, flat: bool) -> None:
 
 def _copy(value: Any) -> Any:
     """A copy with every mapping as a plain ``dict`` (not ``copy.deepcopy``: the keys are then moved in place, and a
-    read-only or non-dict mapping, e.g. a parser's, must come out as one that :func:`_set` can write into)."""
+    read-only or non-dict mapping, e.g. a parser's, must come out as one that :func:`_put` can write into)."""
     if isinstance(value, Mapping):
         return {k: _copy(v) for k, v in value.items()}
     return [_copy(v) for v in value] if isinstance(value, list) else value

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from vpo_lightning.core.metrics import (
     best_at_k_curve,
+    best_pick_correct_at_k,
     chain_pass_at_k_curve,
     expected_best_weighted,
     pairwise_l1_diversity,
@@ -153,3 +155,34 @@ def test_best_at_k_with_f_weights():
     assert torch.equal(best_at_k_curve(pool, seed=3, f_weights=[2.0] * 5), best_at_k_curve(pool, seed=3))
     with pytest.raises(ValueError, match="non-negative"):
         best_at_k_curve(pool, f_weights=[1, 1, 1, 1, -1])
+
+
+def test_best_pick_correct_at_k_exact_values() -> None:
+    """Scores .5 (wrong), 1 (right), 1 (wrong), 0 (right): k = 1 is the share of right answers; k = 4 keeps one of the
+    two tied 1s at random (1/2); k = 2: of the 6 pairs, the 5 holding a 1 keep a 1 (right half the time on the pair
+    {1, 1}, where either is kept), {.5, 0} keeps .5, wrong -> (2 * 1 + 2 * 0 + 1 / 2 + 0) / 6."""
+    scores, correct = [0.5, 1.0, 1.0, 0.0], [False, True, False, True]
+    assert best_pick_correct_at_k(scores, correct, 1) == pytest.approx(0.5)
+    assert best_pick_correct_at_k(scores, correct, 2) == pytest.approx(2.5 / 6)
+    assert best_pick_correct_at_k(scores, correct, 4) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        best_pick_correct_at_k(scores, correct, 5)
+    with pytest.raises(ValueError, match="differ in length"):
+        best_pick_correct_at_k(scores, correct[:3], 1)
+
+
+def test_best_pick_correct_at_k_matches_enumerating_every_subset() -> None:
+    """Against the definition: every k-subset, the kept answer uniform among the subset's tied maxima."""
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randint(1, 7)
+        scores = [rng.choice([0.0, 0.25, 0.5, 1.0]) for _ in range(n)]
+        correct = [rng.random() < 0.5 for _ in range(n)]
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            want = 0.0
+            for sub in subsets:
+                top = max(scores[i] for i in sub)
+                tied = [i for i in sub if scores[i] == top]
+                want += sum(correct[i] for i in tied) / len(tied)
+            assert best_pick_correct_at_k(scores, correct, k) == pytest.approx(want / len(subsets))

@@ -18,6 +18,7 @@ from vpo_lightning.core.advantages import sample_weights
 
 __all__ = [
     "best_at_k_curve",
+    "best_pick_correct_at_k",
     "chain_pass_at_k_curve",
     "expected_best_weighted",
     "pairwise_l1_diversity",
@@ -106,6 +107,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def best_pick_correct_at_k(scores: Sequence[float], correct: Sequence[bool], k: int) -> float:
+    """The chance that the highest-scoring of k answers drawn without replacement is correct (ties broken uniformly).
+
+    What a user who samples k answers and keeps the one their reward scores highest reads, when another judge (BFCL's
+    checker) decides correctness. Exact: with ``n_v`` answers scoring v, ``c_v`` of them correct, the k-subset's
+    maximum is v with probability ``[C(n_<=v, k) - C(n_<v, k)] / C(n, k)``, and a tied answer is as likely to be kept
+    as any other at v, so the kept one is correct with probability ``c_v / n_v``.
+    """
+    n = len(scores)
+    if len(correct) != n:
+        raise ValueError(f"scores and correct differ in length: {n} and {len(correct)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"need an int 1 <= k <= n, got k={k!r}, n={n}")
+    by_value: dict[float, list[int]] = {}
+    for s, ok in zip(scores, correct):
+        tally = by_value.setdefault(float(s), [0, 0])
+        tally[0] += 1
+        tally[1] += bool(ok)
+    total, below, out = math.comb(n, k), 0, 0.0
+    for v in sorted(by_value):
+        n_v, c_v = by_value[v]
+        out += (math.comb(below + n_v, k) - math.comb(below, k)) / total * c_v / n_v
+        below += n_v
+    return out
 
 
 def _log_comb(n: Tensor, k: Tensor) -> Tensor:

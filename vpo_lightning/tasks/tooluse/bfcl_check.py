@@ -91,19 +91,20 @@ def bfcl_correct(answer: str | None, record: Mapping[str, Any]) -> bool:
     return bool(result.get("valid", False))
 
 
-def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
+def check_eval(eval_dir: Path) -> dict[str, Any]:
     """BFCL's verdict on every answer of a `vpo eval` of tool use (``eval.json`` + ``samples.jsonl``).
 
     Per prompt: ``correct`` (one bool per answer, in eval.json's order: chain by chain), and over all prompts:
     ``checker_pass_at_k`` (some answer among k is correct: the unbiased estimator), ``best_answer_correct_at_k``
-    (the answer with the highest f among k is correct; k answers in ``orders`` seeded random orders, first maximum
-    wins: what a user who keeps the best-scoring answer reads), and accuracy per category of answers (k = 1).
+    (the answer with the highest f, the mean of the reward dimensions, among k drawn at random is correct, ties
+    broken at random: what a user who keeps the best-scoring answer reads; exact,
+    :func:`vpo_lightning.core.metrics.best_pick_correct_at_k`), and accuracy per category of answers (k = 1).
     """
     import torch
 
     from vpo_lightning.core.chains import parse_chain
     from vpo_lightning.core.estimators import get_estimator
-    from vpo_lightning.core.metrics import pass_at_k_curve
+    from vpo_lightning.core.metrics import best_pick_correct_at_k, pass_at_k_curve
 
     report = json.loads((eval_dir / "eval.json").read_text(encoding="utf-8"))
     lines = Path(report["data_file"]).read_text(encoding="utf-8").splitlines()  # the tool-use splits are JSONL
@@ -114,21 +115,15 @@ def check_eval(eval_dir: Path, orders: int = 100) -> dict[str, Any]:
         chains.setdefault(row["id"], []).append(row["text"])
     m, chained = int(report["m"]), get_estimator(report["estimator"]).chained
     prompts, solved, best_rows, per_cat = [], [], [], {}
-    gen = torch.Generator().manual_seed(int(report.get("seed", 0)))
     for p in report["prompts"]:
         record = records[p["id"]]
         answers = [a for text in chains[p["id"]]
                    for a in (parse_chain(text, m, report["tag_family"]) if chained else [text])]
         correct = [bfcl_correct(a, record) for a in answers]
-        f = torch.tensor([sum(r) / len(r) for r in p["rewards"]], dtype=torch.float64)  # [n]
-        ok = torch.tensor(correct, dtype=torch.bool)  # [n]
-        n = len(correct)
-        order = torch.stack([torch.randperm(n, generator=gen) for _ in range(orders)])  # [O, n]
-        fo, oko = f[order], ok[order]  # [O, n]
-        run_max = torch.cummax(fo, dim=1)  # first maximum of each prefix
-        best_ok = oko.gather(1, run_max.indices).double().mean(0)  # [n]: the prefix's best answer is correct
-        best_rows.append(best_ok)
-        solved.append(ok)
+        f = [sum(r) / len(r) for r in p["rewards"]]  # [n]
+        best_rows.append(torch.tensor([best_pick_correct_at_k(f, correct, k) for k in range(1, len(f) + 1)],
+                                      dtype=torch.float64))  # [n]
+        solved.append(torch.tensor(correct, dtype=torch.bool))  # [n]
         cat = str((record.get("meta") or {}).get("category"))
         per_cat.setdefault(cat, []).extend(correct)
         prompts.append({"id": p["id"], "category": cat, "correct": correct})
@@ -143,9 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m vpo_lightning.tasks.tooluse.bfcl_check EVAL_DIR``: writes EVAL_DIR/bfcl.json, prints a line."""
     p = argparse.ArgumentParser(description="BFCL's own checker on a `vpo eval` of tool use: writes bfcl.json")
     p.add_argument("eval_dir", type=Path)
-    p.add_argument("--orders", type=int, default=100)
     args = p.parse_args(argv)
-    out = check_eval(args.eval_dir, args.orders)
+    out = check_eval(args.eval_dir)
     (args.eval_dir / "bfcl.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     n = len(out["checker_pass_at_k"])
     print(f"{out['label']}: BFCL checker pass@1 {out['checker_pass_at_k'][0]:.3f}, pass@{n} "

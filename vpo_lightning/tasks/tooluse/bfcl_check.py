@@ -114,7 +114,10 @@ def check_eval(eval_dir: Path) -> dict[str, Any]:
         row = json.loads(line)
         chains.setdefault(row["id"], []).append(row["text"])
     m, chained = int(report["m"]), get_estimator(report["estimator"]).chained
-    prompts, solved, best_rows, per_cat = [], [], [], {}
+    prompts: list[dict[str, Any]] = []
+    solved: list[Any] = []
+    best_rows: list[Any] = []
+    per_cat: dict[str, list[bool]] = {}
     for p in report["prompts"]:
         record = records[p["id"]]
         answers = [a for text in chains[p["id"]]

@@ -32,17 +32,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from maze_report import CHAIN, chain_metrics, choose, curves, load_sweeps
+from maze_report import CHAIN, chain_best_at, chain_metrics, choose, curves, load_sweeps
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def chain_best_at(values: Sequence[float], c: int) -> float:
-    """E[max of c values drawn without replacement from ``values``] (the unbiased best@c over whole chains)."""
-    v, n = sorted(values), len(values)
-    if not 1 <= c <= n:
-        return math.nan
-    return sum(v[i] * math.comb(i, c - 1) for i in range(c - 1, n)) / math.comb(n, c)
 
 
 def summarise(report: dict[str, Any], weights: Any) -> dict[str, float]:

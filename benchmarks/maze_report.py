@@ -29,10 +29,24 @@ from typing import Any
 CURVE_TAGS = ("train/reward/all/mean", "train/reward/exit", "train/reward/gold", "train/reward/diamond",
               "train/reward/safety", "train/reward/set", "train/kl", "train/chains/candidate_parse_rate",
               "train/chains/parse_rate", "train/diversity/within_group", "train/diversity/within_chain",
-              "train/rollout/tokens", "train/chains/repeated_candidates")
+              "train/rollout/tokens", "train/chains/repeated_candidates", "train/reward/best_in_chain",
+              "train/reward/all/format", "train/reward/all/tool_name", "train/reward/all/arg_key",
+              "train/reward/all/arg_value")
 MARKER = "<!-- written by hand below this line; kept when the report is regenerated -->"
 LABELS = {"vpo": "VPO", "grpo": "GRPO", "multi_rlvr": "Multi-RLVR", "sft_chains": "SFT, 3-route chains",
           "sft_single": "SFT, single answers"}
+TASK_LABELS = {"sft_chains": "SFT, 3-answer chains"}  # the labels that differ off the maze (a chain of tool calls)
+MAZE_DIMS = {"exit", "gold", "diamond"}
+
+
+def is_maze(dim_names: Sequence[str]) -> bool:
+    """Whether a report's reward is the maze's (its exit/zone tables apply); otherwise a task-neutral report."""
+    return set(dim_names) >= MAZE_DIMS
+
+
+def label(method: str, maze: bool) -> str:
+    """The report's name for a method folder (``vpo``, ``sft_chains``, ...) on the maze or another task."""
+    return LABELS.get(method, method) if maze else TASK_LABELS.get(method, LABELS.get(method, method))
 
 
 def positions(eval_dir: Path) -> dict[str, Any]:
@@ -106,7 +120,7 @@ def tradeoff_rows(groups: dict[str, list[dict[str, Any]]], heading: bool = True)
 
     from vpo_lightning.commands.replicates import _cell, bootstrap_interval
 
-    if not all({"exit", "gold", "diamond"} <= set(r["dim_names"]) for rs in groups.values() for r in rs):
+    if not all(is_maze(r["dim_names"]) for rs in groups.values() for r in rs):
         return []
     ks = [k for k in (1, 3, 24) if k <= pool_size(groups)]
     keys = [*[f"exit_pass@{k}" for k in ks], "gold_share", "diamond_share", *[f"both@{k}" for k in ks]]
@@ -133,8 +147,8 @@ def tradeoff_rows(groups: dict[str, list[dict[str, Any]]], heading: bool = True)
     return rows + [""]
 
 
-PAIRS = (("VPO", "GRPO"), ("VPO", "Multi-RLVR"), ("VPO", "SFT, 3-route chains"),
-         ("GRPO", "SFT, single answers"), ("Multi-RLVR", "SFT, 3-route chains"))
+PAIRS = (("vpo", "grpo"), ("vpo", "multi_rlvr"), ("vpo", "sft_chains"), ("grpo", "sft_single"),
+         ("multi_rlvr", "sft_chains"))  # (row method, the method it is compared with), as method folders
 CHAIN = 3  # answers per "chain" in the one-chain metrics: a chain of the m = 3 methods, 3 samples of the others
 
 
@@ -159,21 +173,134 @@ def chain_metrics(prompt: dict[str, Any], weights: Any) -> dict[str, float]:
     return {"chain_best": float(r.mean(-1).amax(-1).mean()), "chain_ew_max": float(scores.amax(1).mean())}
 
 
+def chain_best_at(values: Sequence[float], c: int) -> float:
+    """E[max of c values drawn without replacement from ``values``] (the unbiased best@c over whole chains)."""
+    v, n = sorted(values), len(values)
+    if not 1 <= c <= n:
+        return math.nan
+    return sum(v[i] * math.comb(i, c - 1) for i in range(c - 1, n)) / math.comb(n, c)
+
+
+def tooluse_metrics(prompt: dict[str, Any], correct: Sequence[bool], dims: Sequence[str],
+                    ks: Sequence[int]) -> dict[str, float]:
+    """One tool-use prompt's per-prompt metrics beyond ``vpo eval``'s, from its ``rewards [n, D]`` (eval.json's order:
+    chain by chain; absent answers as zero rows) and BFCL's verdict on each answer (bfcl.json's ``correct``):
+    **checker pass@k** (some answer among k is correct, the unbiased estimator), **best-correct@k** (the answer with
+    the highest f, the mean of the dimensions, among k drawn at random is correct, ties uniform:
+    :func:`vpo_lightning.core.metrics.best_pick_correct_at_k`), each dimension's mean over the n answers, and
+    **chain best@c**: the best f over c whole chains drawn from the n / ``CHAIN`` (``CHAIN`` consecutive answers:
+    one chain of a chain method, ``CHAIN`` samples of a single-answer one), :func:`chain_best_at`."""
+    from vpo_lightning.core.metrics import best_pick_correct_at_k
+
+    rewards = prompt["rewards"]
+    n = len(rewards)
+    if len(correct) != n:
+        raise ValueError(f"prompt {prompt.get('id')}: {n} rewards but {len(correct)} BFCL verdicts")
+    f = [sum(r) / len(r) for r in rewards]  # [n]
+    solved = sum(map(bool, correct))
+    out: dict[str, float] = {}
+    for k in ks:
+        out[f"checker_pass@{k}"] = 1.0 - _none_of(n, solved, k)
+        out[f"best_correct@{k}"] = best_pick_correct_at_k(f, correct, k)
+    for d, name in enumerate(dims):
+        out[f"mean_{name}"] = sum(r[d] for r in rewards) / n
+    best_f = [max(f[i * CHAIN:(i + 1) * CHAIN]) for i in range(n // CHAIN)]  # [C]
+    for c in range(1, len(best_f) + 1):
+        out[f"chain_best@{c}"] = chain_best_at(best_f, c)
+    return out
+
+
+def tooluse_matrix(reports: list[dict[str, Any]], key: str, ids: list[str], ks: Sequence[int]) -> Any:
+    """``[S, P]``: one :func:`tooluse_metrics` key of each report over the prompts ``ids`` (NaN where a report has
+    no bfcl.json and the key needs it)."""
+    import torch
+
+    rows = []
+    for rep in reports:
+        cache = rep.setdefault("_tooluse", {})
+        if not cache:
+            verdicts = {p["id"]: p["correct"] for p in (rep.get("_bfcl") or {}).get("prompts", [])}
+            for p in rep["prompts"]:
+                correct = verdicts.get(p["id"])
+                cache[p["id"]] = tooluse_metrics(p, [False] * len(p["rewards"]) if correct is None else correct,
+                                                 list(rep["dim_names"]), ks)
+                if correct is None:  # no verdicts: the checker's keys are unknown, not zero
+                    cache[p["id"]].update({k: math.nan for k in cache[p["id"]] if "correct" in k or "checker" in k})
+        rows.append([cache[i].get(key, math.nan) for i in ids])
+    return torch.tensor(rows, dtype=torch.float64)  # [S, P]
+
+
+def tooluse_rows(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Tool use's own tables (issue 51): BFCL's checker on the answers (pass@k and the best-scoring answer's
+    accuracy), the reward per dimension, best@c in whole chains, and the checker's accuracy per BFCL category;
+    means over seeds and prompts with the main table's hierarchical bootstrap intervals. Nothing on the maze."""
+    from vpo_lightning.commands.replicates import _cell, bootstrap_interval
+
+    if not groups or any(is_maze(r["dim_names"]) for rs in groups.values() for r in rs):
+        return []
+    n = pool_size(groups)
+    ks = sorted({k for k in (1, 4, n) if k <= n})
+    dims = list(next(iter(groups.values()))[0]["dim_names"])
+    chains = n // CHAIN
+    cs = sorted({c for c in (1, chains) if c >= 1})
+    keys = [*[f"checker_pass@{k}" for k in ks], *[f"best_correct@{k}" for k in ks], *[f"mean_{d}" for d in dims],
+            *[f"chain_best@{c}" for c in cs]]
+    names = [*[f"checker pass@{k}" for k in ks], *[f"best answer correct@{k}" for k in ks], *dims,
+             *[f"chain best@{c}" for c in cs]]
+    lines = ["## BFCL's checker, the reward per dimension, whole chains", "",
+             "Per prompt over its n answers, judged by BFCL's own AST checker (`bfcl.json`, "
+             "`python -m vpo_lightning.tasks.tooluse.bfcl_check`): **checker pass@k**, the chance that k answers "
+             "include a correct one; **best answer correct@k**, the chance that the answer the reward scores highest "
+             "(f, the mean of the four dimensions) among k drawn at random is correct, ties broken uniformly: what a "
+             "user who keeps the best-scoring of k samples reads on BFCL. Then each reward dimension's mean over all "
+             f"answers (an unparsed answer scores 0), and **chain best@c**: the best f over c whole chains ({CHAIN} "
+             f"consecutive answers: one generation of a chain method, {CHAIN} samples of a single-answer one; "
+             f"{chains} per prompt). Mean over seeds and prompts, 95% hierarchical bootstrap intervals.", "",
+             "| method | seeds | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+    for name, reports in groups.items():
+        ids = [p["id"] for p in reports[0]["prompts"]]
+        cells = [name, str(len(reports))]
+        for key in keys:
+            cells.append(_cell(bootstrap_interval(tooluse_matrix(reports, key, ids, ks))))
+        lines.append("| " + " | ".join(cells) + " |")
+    cats: dict[str, dict[str, list[bool]]] = {}  # method -> category -> every answer's verdict over its seeds
+    for name, reports in groups.items():
+        for rep in reports:
+            for p in (rep.get("_bfcl") or {}).get("prompts", []):
+                cats.setdefault(name, {}).setdefault(str(p["category"]), []).extend(map(bool, p["correct"]))
+    if cats:
+        names_cat = sorted({c for per in cats.values() for c in per})
+        counts = {c: max(len(per.get(c, [])) // max(1, len(groups[m])) for m, per in cats.items()) for c in names_cat}
+        lines += ["", "BFCL's checker per category (accuracy of all answers, k = 1, over seeds; answers per seed):",
+                  "", "| method | " + " | ".join(f"{c} ({counts[c]})" for c in names_cat) + " |",
+                  "|" + "---|" * (len(names_cat) + 1)]
+        for name, per in cats.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{sum(per[c]) / len(per[c]):.3f}" if per.get(c) else "-" for c in names_cat) + " |")
+    return lines + [""]
+
+
 def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) -> list[str]:
-    """Paired differences (row method minus column method) over the shared test mazes: best@1/4/24, diversity
-    (all answers and exit-reaching ones), E_w best over the pool, and the one-chain metrics, each with its paired
-    bootstrap interval (mazes resampled for both sides together, seeds per side:
-    :func:`vpo_lightning.commands.replicates.paired_difference`). The exit-route diversity only on the maze."""
+    """Paired differences (row method minus column method) over the shared test prompts: best@1/4/24, diversity
+    (all answers and, on the maze, exit-reaching ones), E_w best over the pool, the one-chain metrics and, on tool
+    use, BFCL's checker (best answer correct@1/24, checker pass@24), each with its paired bootstrap interval
+    (prompts resampled for both sides together, seeds per side:
+    :func:`vpo_lightning.commands.replicates.paired_difference`)."""
     import torch
 
     from vpo_lightning.commands.replicates import _cell, paired_difference, prompt_values
     from vpo_lightning.core.advantages import sample_weights
 
-    maze = all({"exit", "gold", "diamond"} <= set(r["dim_names"]) for rs in groups.values() for r in rs)
-    pairs = [(a, b) for a, b in PAIRS if a in groups and b in groups]
+    maze = all(is_maze(r["dim_names"]) for rs in groups.values() for r in rs)
+    unit = "mazes" if maze else "prompts"
+    pairs = [(label(a, maze), label(b, maze)) for a, b in PAIRS]
+    pairs = [(a, b) for a, b in pairs if a in groups and b in groups]
     if not pairs:
         return []
-    ks = [k for k in (1, 4, 24) if k <= pool_size(groups)]
+    n = pool_size(groups)
+    ks = [k for k in (1, 4, 24) if k <= n]
+    bfcl = not maze and all(r.get("_bfcl") for rs in groups.values() for r in rs)
+    tool_ks = sorted({k for k in (1, 4, n) if k <= n})
     dim = len(next(iter(groups.values()))[0]["dim_names"])
     weights = sample_weights(1000, dim, 1.0, generator=torch.Generator().manual_seed(0))  # [K, D], one draw for all
 
@@ -189,6 +316,8 @@ def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) 
             return prompt_values(reports, "best_at_k", int(key[5:]))
         if key in ("pairwise_l1_diversity", "expected_best_weighted"):
             return prompt_values(reports, key)
+        if key.startswith(("best_correct@", "checker_pass@")):
+            return tooluse_matrix(reports, key, ids, tool_ks)
         rows = []
         for rep in reports:
             by_id = {p["id"]: p for p in rep["prompts"]}
@@ -198,16 +327,22 @@ def paired_rows(groups: dict[str, list[dict[str, Any]]], num_draws: int = 2000) 
                 rows.append([chains_of(by_id[i])[key] for i in ids])
         return torch.tensor(rows, dtype=torch.float64)  # [S, P]
 
+    checker_keys = [f"best_correct@{tool_ks[0]}", f"best_correct@{tool_ks[-1]}", f"checker_pass@{tool_ks[-1]}"]
     keys = [*[f"best@{k}" for k in ks], "pairwise_l1_diversity", *(["exit_diversity"] if maze else []),
-            "expected_best_weighted", "chain_best", "chain_ew_max"]
+            "expected_best_weighted", "chain_best", "chain_ew_max", *(checker_keys if bfcl else [])]
     names = [*[f"best@{k}" for k in ks], "diversity (L1)", *(["diversity, exit routes"] if maze else []),
-             "E_w best (pool)", "chain best f", "chain E_w max"]
-    lines = ["## Paired differences over the shared test mazes", "",
-             "Row method minus the method it is compared with, on the same mazes: the difference of the means over "
-             "seeds and mazes, with a 95% paired bootstrap interval (each draw resamples the mazes for both sides "
+             "E_w best (pool)", "chain best f", "chain E_w max",
+             *([f"BFCL: best correct@{tool_ks[0]}", f"BFCL: best correct@{tool_ks[-1]}",
+                f"BFCL: pass@{tool_ks[-1]}"] if bfcl else [])]
+    exit_note = ("*Diversity, exit routes*: the mean L1 between answers that both reach the exit (mazes with fewer "
+                 "than two such answers skipped). ") if maze else ""
+    bfcl_note = ("*BFCL*: BFCL's checker on the answers, as in the table below (best correct@k: the best-scoring of "
+                 "k answers is correct; pass@k: one of k is). ") if bfcl else ""
+    lines = [f"## Paired differences over the shared test {unit}", "",
+             f"Row method minus the method it is compared with, on the same {unit}: the difference of the means over "
+             f"seeds and {unit}, with a 95% paired bootstrap interval (each draw resamples the {unit} for both sides "
              "together and each side's seeds on its own). An interval that excludes 0 is a separated difference. "
-             "*Diversity, exit routes*: the mean L1 between answers that both reach the exit (mazes with fewer than "
-             f"two such answers skipped). *Chain* metrics: over each {CHAIN} consecutive answers (one chain of a "
+             f"{exit_note}{bfcl_note}*Chain* metrics: over each {CHAIN} consecutive answers (one chain of a "
              f"chain method, {CHAIN} independent samples of a single-answer one), the best f and E_w[max w.r] under "
              "one fixed set of 1,000 Dirichlet(1) draws: VPO's own objective for one chain.", "",
              "| difference | seeds | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
@@ -271,12 +406,17 @@ def coldstart_rows(folder: Path) -> list[str]:
 def load_groups(results: Path) -> tuple[list[Path], dict[str, list[dict[str, Any]]]]:
     """The run folders of ``results`` that hold an ``eval.json``, and their reports grouped by method label."""
     runs = sorted(p for p in results.iterdir() if (p / "eval.json").exists()) if results.exists() else []
-    groups: dict[str, list[dict[str, Any]]] = {}
+    loaded = []
     for run in runs:
-        method = run.name.rsplit("-s", 1)[0]
         rep = json.loads((run / "eval.json").read_text(encoding="utf-8"))
         rep["_path"] = str(run)
-        groups.setdefault(LABELS.get(method, method), []).append(rep)
+        if (run / "bfcl.json").exists():  # tool use: BFCL's verdict on every answer
+            rep["_bfcl"] = json.loads((run / "bfcl.json").read_text(encoding="utf-8"))
+        loaded.append((run.name.rsplit("-s", 1)[0], rep))
+    maze = all(is_maze(rep["dim_names"]) for _, rep in loaded)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for method, rep in loaded:
+        groups.setdefault(label(method, maze), []).append(rep)
     return runs, groups
 
 
@@ -391,7 +531,7 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
     from vpo_lightning.commands.replicates import best_at_k_bands, plot_bands, summary_table
 
     runs, groups = load_groups(results)
-    maze = all({"exit", "gold", "diamond"} <= set(r["dim_names"]) for rs in groups.values() for r in rs)
+    maze = all(is_maze(r["dim_names"]) for rs in groups.values() for r in rs)
     task = "Maze (5x5, the reference's reward)" if maze else "Tool use (BFCL, 4-dimension reward)"
     lines = [f"# {title or task + ': VPO vs GRPO vs Multi-RLVR from one cold start'}", "",
              "Generated by `bash benchmarks/maze_protocol.sh report` from the files under "
@@ -401,7 +541,8 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
         plot = out.with_name(out.stem + "_best_at_k.png")
         plot_bands(best_at_k_bands(groups), plot,
                    f"{'Maze 5x5' if maze else 'Tool use'} (test split): best@k, 95% intervals over prompts and seeds")
-        lines += ["", f"![best@k]({plot.name})", ""] + paired_rows(groups) + tradeoff_rows(groups)
+        lines += ["", f"![best@k]({plot.name})", ""] + paired_rows(groups) + tradeoff_rows(groups) \
+            + tooluse_rows(groups)
     if checkpoints is not None:  # issue 50: the step-size choice on validation and the diagnosis
         lines += selection_rows(checkpoints) + diagnosis_rows(checkpoints)
     if midpoint is not None:

@@ -228,3 +228,54 @@ def test_the_step_size_rule_and_its_tables(tmp_path: Path) -> None:
     diag = diagnosis_rows(tmp_path)
     assert "| vpo-lr0.0001-s0 | 20 | 0.200 | 0.600 / 0.700 / 0.400 | 0.600 / 0.700 / 0.400 |" in "\n".join(diag)
     assert not any("2e-05" in line for line in diag)  # only the diagnosed run
+
+
+def test_tooluse_rows_exact_values() -> None:
+    """Tool use's own table and paired columns on two hand-made methods over two prompts of 6 answers (2 chains of
+    3), with BFCL's verdicts: checker pass@k is the unbiased estimator, best-correct@k keeps the highest f (ties
+    uniform), a dimension's mean counts unparsed answers as 0, and chain best@c reads 3 consecutive answers as a
+    chain; the paired BFCL cells are the differences of those hand values."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from maze_report import label, paired_rows, tooluse_metrics, tooluse_rows
+
+    dims = ["format", "tool_name", "arg_key", "arg_value"]
+    good, near, bad, none = [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4
+    # prompt a: f = 1, .75, .25, 0, 0, .25; BFCL accepts the good answer and (the checker is another judge) one bad
+    rows_a, correct_a = [good, near, bad, none, none, bad], [True, False, False, False, False, True]
+    got = tooluse_metrics({"id": "a", "rewards": rows_a}, correct_a, dims, [1, 2, 6])
+    assert got["checker_pass@1"] == pytest.approx(2 / 6)
+    assert got["checker_pass@2"] == pytest.approx(1 - 6 / 15)  # C(4,2)/C(6,2) pairs avoid both correct answers
+    assert got["checker_pass@6"] == 1.0
+    assert got["best_correct@1"] == pytest.approx(2 / 6)
+    # k = 2: the good answer is in 5 of the 15 pairs (kept, correct); then near is the max in 4 (wrong); of the 6
+    # others, {bad, bad'} keeps the correct one half the time, {bad', none} x2 always, {bad, none} x2 and {none,
+    # none} never: (5 + 0.5 + 2) / 15
+    assert got["best_correct@2"] == pytest.approx(7.5 / 15)
+    assert got["best_correct@6"] == 1.0  # the good answer is always kept
+    assert got["mean_format"] == pytest.approx(4 / 6) and got["mean_arg_value"] == pytest.approx(1 / 6)
+    # chains: [good, near, bad] best f 1, [none, none, bad] best f .25 -> best@1 chain .625, best@2 chains 1
+    assert got["chain_best@1"] == pytest.approx(0.625) and got["chain_best@2"] == 1.0
+
+    def report(name: str, estimator: str, prompts: dict[str, tuple[list, list]]) -> dict:
+        return {"label": name, "estimator": estimator, "m": 3, "n": 6, "num_prompts": 2, "dim_names": dims,
+                "prompts": [{"id": i, "rewards": r, "present": [True] * 6, "best_at_k": [0.5] * 6,
+                             "pairwise_l1_diversity": 0.0, "expected_best_weighted": 0.5}
+                            for i, (r, _) in prompts.items()],
+                "_bfcl": {"prompts": [{"id": i, "category": "simple", "correct": c} for i, (_, c) in prompts.items()]}}
+
+    all_bad = ([bad] * 6, [False] * 6)
+    groups = {"VPO": [report("vpo-s0", "vpo", {"a": (rows_a, correct_a), "b": all_bad})],
+              "SFT, 3-answer chains": [report("sft_chains-s0", "vpo", {"a": all_bad, "b": all_bad})]}
+    assert label("sft_chains", maze=False) == "SFT, 3-answer chains"
+    assert label("sft_chains", maze=True) == "SFT, 3-route chains"
+    table = tooluse_rows(groups)
+    vpo = next(line for line in table if line.startswith("| VPO |"))
+    cells = [c.strip() for c in vpo.strip("|").split("|")]
+    # columns: method, seeds, checker pass@1/4/6, best correct@1/4/6, 4 dims, chain best@1/2
+    assert cells[2].startswith(f"{2 / 6 / 2:.3f} [") and cells[7].startswith("0.500 [")  # pass@1, best correct@6
+    assert "| VPO | 0.167 |" in "\n".join(table)  # per category: 2 of 12 answers correct
+    paired = paired_rows(groups, num_draws=200)
+    row = next(line for line in paired if line.startswith("| VPO - SFT, 3-answer chains"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert "test prompts" in paired[0] and cells[-3].startswith(f"{2 / 6 / 2:.3f} [")  # best correct@1
+    assert cells[-2].startswith("0.500 [") and cells[-1].startswith("0.500 [")  # best correct@6, pass@6

@@ -304,14 +304,17 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- parent
-def _launch(side: str, spec_path: Path, env_extra: dict[str, str], timeout: float = 0) -> dict:
-    """Run one side's worker; with ``timeout`` (s) > 0 a worker still running then is killed and its steps so far
-    (rewritten after every step) are returned with ``timed_out`` and the unfinished step's time so far."""
+def _launch(side: str, spec_path: Path, env_extra: dict[str, str], timeout: float = 0,
+            script: Path | None = None) -> dict:
+    """Run one side's worker (``script --worker SIDE``: this file unless given, e.g. ``vs_trl_sft.py``); with
+    ``timeout`` (s) > 0 a worker still running then is killed and its steps so far (rewritten after every step) are
+    returned with ``timed_out`` and the unfinished step's time so far."""
     python = OURS_PYTHON if side == "ours" else TRL_PYTHON
     fd, out = tempfile.mkstemp(suffix=".json", prefix=f"vs-trl-{side}-")
     os.close(fd)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **env_extra}
-    cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path), "--result", out]
+    cmd = [str(python), str((script or Path(__file__)).resolve()), "--worker", side, "--spec", str(spec_path),
+           "--result", out]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     deadline, timed_out = (time.monotonic() + timeout) if timeout else None, False

@@ -501,28 +501,35 @@ def _print_run(side: str, r: dict) -> None:
           f"threads {r.get('torch_threads')}", file=sys.stderr, flush=True)
 
 
-def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
-    rows = [("median step time (s)", "median_step_s", "{:.2f}"),
-            ("first step (warm-up) (s)", "first_step_s", "{:.2f}"),
-            ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
-            ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"),
-            ("peak RSS (GiB)", "peak_rss_gb", "{:.2f}"),
-            ("RSS after model load (GiB)", "rss_after_setup_gb", "{:.2f}"),
-            ("median generate (s)", "median_generate_s", "{:.2f}"),
-            ("mean completion tokens", "mean_completion_tokens", "{:.1f}")]
-    head = f"| {'metric':<28} | " + " | ".join(f"{s:>10}" for s in sides) + (" | ours/TRL |" if ratios else " |")
-    print(head)
+STEP_ROWS = [("median step time (s)", "median_step_s", "{:.2f}"),
+             ("first step (warm-up) (s)", "first_step_s", "{:.2f}"),
+             ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
+             ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"),
+             ("peak RSS (GiB)", "peak_rss_gb", "{:.2f}"),
+             ("RSS after model load (GiB)", "rss_after_setup_gb", "{:.2f}"),
+             ("median generate (s)", "median_generate_s", "{:.2f}"),
+             ("mean completion tokens", "mean_completion_tokens", "{:.1f}")]
+
+
+def print_table(summary: dict, ratios: dict, sides: list[str], rows: list[tuple[str, str, str]]) -> None:
+    """One markdown table: a row per (label, summary key, format), a column per side, then ours/TRL where measured.
+
+    Shared by this script and vs_trl_sft.py; a missing value or ratio prints as ``-``.
+    """
+    print(f"| {'metric':<28} | " + " | ".join(f"{s:>10}" for s in sides) + (" | ours/TRL |" if ratios else " |"))
     print("|" + "---|" * (len(sides) + 1 + bool(ratios)))
     for label, key, fmt in rows:
-        values = [summary[s][key] for s in sides]
-        cells = " | ".join(f"{'-' if v is None else fmt.format(v):>10}" for v in values)
-        ratio = f" | {ratios[key]:8.2f} |" if key in ratios else (" |        |" if ratios else " |")
+        cells = " | ".join(f"{'-' if summary[s][key] is None else fmt.format(summary[s][key]):>10}" for s in sides)
+        ratio = f" | {ratios[key]:8.2f} |" if key in ratios else (" |        - |" if ratios else " |")
         print(f"| {label:<28} | {cells}{ratio}")
+
+
+def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
+    print_table(summary, ratios, sides, STEP_ROWS)
     bounded = [s for s in sides if summary[s]["timed_out_runs"]]
     if bounded:
         print(f"cut off by --timeout: {', '.join(bounded)} (their step times above are lower bounds; "
               f"ours/TRL median step: {ratios.get('median_step_s_bound', '-')} bound)")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {s: runs[s][0]["versions"] for s in sides}, "runs": runs,
     }
     out_path.write_text(json.dumps(result, indent=1))
-    _print_table(summary, ratios, sides)
+    vs_trl.print_table(summary, ratios, sides, SFT_ROWS)
     print(f"{label} ({cpu['model']}, flags {' '.join(cpu['flags'])}), TRL mode {args.trl_mode}, checks {checks}; "
           f"load average (1 min) at launches: {', '.join(f'{x:.1f}' for x in load)}; written {out_path}")
     return 0
@@ -477,18 +477,10 @@ def _print_run(side: str, r: dict) -> None:
           f"threads {r.get('torch_threads')}", file=sys.stderr, flush=True)
 
 
-def _print_table(summary: dict, ratios: dict, sides: list[str]) -> None:
-    rows = [("median step time (s)", "median_step_s", "{:.2f}"), ("first step (warm-up) (s)", "first_step_s", "{:.2f}"),
+SFT_ROWS = [("median step time (s)", "median_step_s", "{:.2f}"), ("first step (warm-up) (s)", "first_step_s", "{:.2f}"),
             ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"), ("loss tokens/s", "loss_tokens_per_s", "{:.1f}"),
             ("peak RSS (GiB)", "peak_rss_gb", "{:.2f}"), ("RSS after model load (GiB)", "rss_after_setup_gb", "{:.2f}"),
             ("training loss, step 1", "loss_step1", "{:.4f}"), ("training loss, last step", "loss_after_n", "{:.4f}")]
-    print(f"| {'metric':<28} | " + " | ".join(f"{s:>10}" for s in sides) + (" | ours/TRL |" if ratios else " |"))
-    print("|" + "---|" * (len(sides) + 1 + bool(ratios)))
-    for name, key, fmt in rows:
-        cells = " | ".join(f"{'-' if summary[s][key] is None else fmt.format(summary[s][key]):>10}" for s in sides)
-        ratio = f" | {ratios[key]:8.3f} |" if key in ratios else (" |        - |" if ratios else " |")
-        print(f"| {name:<28} | {cells}{ratio}")
-
 
 if __name__ == "__main__":
     sys.exit(main())

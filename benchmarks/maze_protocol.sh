@@ -9,7 +9,9 @@
 #   METHOD=sft_single SEED=0 bash benchmarks/maze_protocol.sh   # the cold start itself, single answers / chains
 #   bash benchmarks/maze_protocol.sh report                     # docs/results_maze*.{md,png} from the committed files
 #   (report knobs: RESULTS_DIR, REPORT_OUT [docs/results_$TASK.md], REPORT_TITLE, COLDSTART_DIR, MIDPOINT_DIR, CHECKPOINTS_DIR;
-#   a folder that does not exist is left out)
+#   a folder that does not exist is left out. With no RESULTS_DIR the maze report is issue 50's settled one,
+#   docs/results_maze.md from docs/results/maze-settled/; issue 38's, docs/results_maze_issue38.md, needs
+#   RESULTS_DIR=docs/results/maze REPORT_OUT=docs/results_maze_issue38.md CHECKPOINTS_DIR=none and its title)
 #
 # METHOD: vpo | grpo | multi_rlvr (configs/maze5{,_grpo,_multi_rlvr}.yaml) | sft_single | sft_chains.
 # A run whose checkpoints/<run>/last.ckpt exists resumes from it (`--ckpt_path last`); a finished run (its
@@ -52,6 +54,13 @@ case "$TASK" in
   tooluse) CFG=configs/tooluse DEFAULT_PREFIX=tooluse DEFAULT_TOKENS=640 ;;
   *) echo "TASK=$TASK: use maze or tooluse" >&2; exit 2 ;;
 esac
+if [[ "${1:-}" == report && "$TASK" == maze && -z "${RESULTS_DIR:-}" ]]; then
+  # the settled maze comparison (issue 50) is what docs/results_maze.md reports; its knobs, unless given
+  RESULTS_DIR=docs/results/maze-settled
+  COLDSTART_DIR=${COLDSTART_DIR:-docs/results/maze-settled/gate-b-step240}
+  MIDPOINT_DIR=${MIDPOINT_DIR:-none}
+  REPORT_TITLE=${REPORT_TITLE:-"Maze (5x5, the reference's reward), settled (issue 50): VPO vs GRPO vs the reference's Multi-RLVR, step size chosen on validation, from one committed cold start"}
+fi
 RESULTS_DIR=${RESULTS_DIR:-docs/results/$TASK}
 
 if [[ "${1:-}" == report ]]; then

@@ -189,7 +189,9 @@ def tooluse_metrics(prompt: dict[str, Any], correct: Sequence[bool], dims: Seque
     the highest f, the mean of the dimensions, among k drawn at random is correct, ties uniform:
     :func:`vpo_lightning.core.metrics.best_pick_correct_at_k`), each dimension's mean over the n answers, and
     **chain best@c**: the best f over c whole chains drawn from the n / ``CHAIN`` (``CHAIN`` consecutive answers:
-    one chain of a chain method, ``CHAIN`` samples of a single-answer one), :func:`chain_best_at`."""
+    one chain of a chain method, ``CHAIN`` samples of a single-answer one), :func:`chain_best_at`; and, where the
+    prompt records its ``generated_tokens``, **tokens per chain**: the tokens generated for ``CHAIN`` answers (a
+    chain's length; ``CHAIN`` single answers' together), the length a missing last answer would shorten."""
     from vpo_lightning.core.metrics import best_pick_correct_at_k
 
     rewards = prompt["rewards"]
@@ -207,6 +209,8 @@ def tooluse_metrics(prompt: dict[str, Any], correct: Sequence[bool], dims: Seque
     best_f = [max(f[i * CHAIN:(i + 1) * CHAIN]) for i in range(n // CHAIN)]  # [C]
     for c in range(1, len(best_f) + 1):
         out[f"chain_best@{c}"] = chain_best_at(best_f, c)
+    if "generated_tokens" in prompt:
+        out["tokens_per_chain"] = prompt["generated_tokens"] * CHAIN / n
     return out
 
 
@@ -244,9 +248,9 @@ def tooluse_rows(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
     chains = n // CHAIN
     cs = sorted({c for c in (1, chains) if c >= 1})
     keys = [*[f"checker_pass@{k}" for k in ks], *[f"best_correct@{k}" for k in ks], *[f"mean_{d}" for d in dims],
-            *[f"chain_best@{c}" for c in cs]]
+            *[f"chain_best@{c}" for c in cs], "tokens_per_chain"]
     names = [*[f"checker pass@{k}" for k in ks], *[f"best answer correct@{k}" for k in ks], *dims,
-             *[f"chain best@{c}" for c in cs]]
+             *[f"chain best@{c}" for c in cs], "tokens per chain"]
     lines = ["## BFCL's checker, the reward per dimension, whole chains", "",
              "Per prompt over its n answers, judged by BFCL's own AST checker (`bfcl.json`, "
              "`python -m vpo_lightning.tasks.tooluse.bfcl_check`): **checker pass@k**, the chance that k answers "
@@ -255,13 +259,16 @@ def tooluse_rows(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
              "user who keeps the best-scoring of k samples reads on BFCL. Then each reward dimension's mean over all "
              f"answers (an unparsed answer scores 0), and **chain best@c**: the best f over c whole chains ({CHAIN} "
              f"consecutive answers: one generation of a chain method, {CHAIN} samples of a single-answer one; "
-             f"{chains} per prompt). Mean over seeds and prompts, 95% hierarchical bootstrap intervals.", "",
+             f"{chains} per prompt), and the **tokens** generated for those {CHAIN} answers (a chain's length; the "
+             "budget is a chain's). Mean over seeds and prompts, 95% hierarchical bootstrap intervals.", "",
              "| method | seeds | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
     for name, reports in groups.items():
         ids = [p["id"] for p in reports[0]["prompts"]]
         cells = [name, str(len(reports))]
         for key in keys:
-            cells.append(_cell(bootstrap_interval(tooluse_matrix(reports, key, ids, ks))))
+            interval = bootstrap_interval(tooluse_matrix(reports, key, ids, ks))
+            tokens = key == "tokens_per_chain" and not math.isnan(interval[0])
+            cells.append("{:.0f} [{:.0f}, {:.0f}]".format(*interval) if tokens else _cell(interval))
         lines.append("| " + " | ".join(cells) + " |")
     cats: dict[str, dict[str, list[bool]]] = {}  # method -> category -> every answer's verdict over its seeds
     for name, reports in groups.items():
@@ -377,15 +384,24 @@ def curve_rows(name: str, data: dict[str, dict[str, float]], first: int = 10, la
     return rows
 
 
+POSITION_HEAD = {True: ["| run | position | chains | parses | reaches the exit | mean reward |",
+                        "|---|---|---|---|---|---|"],
+                 False: ["| run | position | chains | parses | mean reward |", "|---|---|---|---|---|"]}
+
+
 def position_rows(name: str, pos: dict[str, Any]) -> list[str]:
+    """One run's rows of the per-position table (:data:`POSITION_HEAD`; the exit column on the maze only)."""
     dims = pos["dim_names"]
+    maze = is_maze(dims)
     rows = []
     for j in range(pos["m"]):
         means = ", ".join(f"{v:.3f}" for v in pos["mean_reward"][j])
-        rows.append(f"| {name} | {j + 1} | {pos['chains']} | {pos['parse_rate'][j]:.1%} | {pos['exit_rate'][j]:.1%} | "
+        exit_cell = f" {pos['exit_rate'][j]:.1%} |" if maze else ""
+        rows.append(f"| {name} | {j + 1} | {pos['chains']} | {pos['parse_rate'][j]:.1%} |{exit_cell} "
                     f"{means} ({', '.join(dims)}) |")
     if pos["m"] > 1:
-        rows.append(f"| {name} | all {pos['m']} parsed | {pos['chains']} | {pos['all_parsed']:.1%} | - | - |")
+        rows.append(f"| {name} | all {pos['m']} parsed | {pos['chains']} | {pos['all_parsed']:.1%} |"
+                    + (" - | - |" if maze else " - |"))
     return rows
 
 
@@ -397,7 +413,7 @@ def coldstart_rows(folder: Path) -> list[str]:
         return []
     rows = ["## Before RL: the cold start on validation mazes", "",
             f"From `{folder}/` (`benchmarks/maze_protocol.sh`, `RESULTS_DIR={folder}`, `EXTRA_EVAL=--split val`).",
-            "", "| run | position | chains | parses | reaches the exit | mean reward |", "|---|---|---|---|---|---|"]
+            "", *POSITION_HEAD[True]]
     for run in runs:
         rows += position_rows(run.name, json.loads((run / "positions.json").read_text()))
     return rows + [""]
@@ -552,8 +568,7 @@ def report(results: Path, out: Path, coldstart: Path | None = None, midpoint: Pa
     pos = [(run.name, json.loads((run / "positions.json").read_text())) for run in runs
            if (run / "positions.json").exists()]
     if pos:
-        lines += ["## Per answer position", "", "| run | position | chains | parses | reaches the exit | mean reward |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["## Per answer position", "", *POSITION_HEAD[maze]]
         for name, p in pos:
             lines += position_rows(name, p)
         lines.append("")

@@ -94,7 +94,9 @@ def test_protocol_trains_resumes_records_and_reports(tmp_path: Path) -> None:
         assert log.count("maze results: vpo-s0 (") == 2  # the first result, then the resumed run's
         assert log.count("maze results: vpo-s1 trained, not evaluated") == 1
         assert log.count("maze results: vpo-s1 (") == 1
-        report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], env, ROOT)
+        # with no RESULTS_DIR the maze report is the settled comparison's; these runs went to the default folder
+        report = _run(["bash", "benchmarks/maze_protocol.sh", "report"], {**env, "RESULTS_DIR": "docs/results/maze"},
+                      ROOT)
         text = (results / "docs" / "results_maze.md").read_text()
         assert "wrote" in report and "| VPO | vpo | 3 | 2 | 2 |" in text and "## Training curves" in text
     finally:
@@ -255,11 +257,14 @@ def test_tooluse_rows_exact_values() -> None:
     assert got["mean_format"] == pytest.approx(4 / 6) and got["mean_arg_value"] == pytest.approx(1 / 6)
     # chains: [good, near, bad] best f 1, [none, none, bad] best f .25 -> best@1 chain .625, best@2 chains 1
     assert got["chain_best@1"] == pytest.approx(0.625) and got["chain_best@2"] == 1.0
+    assert "tokens_per_chain" not in got  # no generated_tokens recorded: no length
+    with_tokens = tooluse_metrics({"id": "a", "rewards": rows_a, "generated_tokens": 150}, correct_a, dims, [1])
+    assert with_tokens["tokens_per_chain"] == 75.0  # 150 tokens for 6 answers: 75 per 3
 
     def report(name: str, estimator: str, prompts: dict[str, tuple[list, list]]) -> dict:
         return {"label": name, "estimator": estimator, "m": 3, "n": 6, "num_prompts": 2, "dim_names": dims,
                 "prompts": [{"id": i, "rewards": r, "present": [True] * 6, "best_at_k": [0.5] * 6,
-                             "pairwise_l1_diversity": 0.0, "expected_best_weighted": 0.5}
+                             "generated_tokens": 240, "pairwise_l1_diversity": 0.0, "expected_best_weighted": 0.5}
                             for i, (r, _) in prompts.items()],
                 "_bfcl": {"prompts": [{"id": i, "category": "simple", "correct": c} for i, (_, c) in prompts.items()]}}
 
@@ -271,8 +276,9 @@ def test_tooluse_rows_exact_values() -> None:
     table = tooluse_rows(groups)
     vpo = next(line for line in table if line.startswith("| VPO |"))
     cells = [c.strip() for c in vpo.strip("|").split("|")]
-    # columns: method, seeds, checker pass@1/4/6, best correct@1/4/6, 4 dims, chain best@1/2
+    # columns: method, seeds, checker pass@1/4/6, best correct@1/4/6, 4 dims, chain best@1/2, tokens per chain
     assert cells[2].startswith(f"{2 / 6 / 2:.3f} [") and cells[7].startswith("0.500 [")  # pass@1, best correct@6
+    assert cells[-1] == "120 [120, 120]"  # 240 tokens for 6 answers on both prompts: 120 per chain of 3
     assert "| VPO | 0.167 |" in "\n".join(table)  # per category: 2 of 12 answers correct
     paired = paired_rows(groups, num_draws=200)
     row = next(line for line in paired if line.startswith("| VPO - SFT, 3-answer chains"))

@@ -304,6 +304,28 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- parent
+def alternate_rounds(spec: dict, sides: list[str], rounds: int, env_extra: dict[str, str], timeout: float,
+                     script: Path, tag: str, record: Any) -> tuple[dict[str, list[dict]], list[float]]:
+    """Each side's worker ``rounds`` times, in alternating order (ours, TRL; then TRL, ours; ...), one subprocess a
+    run, from one spec file; ``record(side, run)`` sees each run as it ends. Returns the runs per side and the
+    1-minute load average at each launch."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+    spec_path = Path(fh.name)
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    load = []
+    try:
+        for rnd in range(rounds):
+            for side in sides if rnd % 2 == 0 else sides[::-1]:
+                load.append(os.getloadavg()[0])
+                print(f"{tag} round {rnd + 1}/{rounds}: {side} ...", file=sys.stderr, flush=True)
+                runs[side].append(_launch(side, spec_path, env_extra, timeout, script))
+                record(side, runs[side][-1])
+    finally:
+        spec_path.unlink()
+    return runs, load
+
+
 def _launch(side: str, spec_path: Path, env_extra: dict[str, str], timeout: float = 0,
             script: Path | None = None) -> dict:
     """Run one side's worker (``script --worker SIDE``: this file unless given, e.g. ``vs_trl_sft.py``); with
@@ -450,24 +472,14 @@ def main(argv: list[str] | None = None) -> int:
                                                       .replace("float32", "fp32").replace("bfloat16", "bf16")),
     }
     env_extra = dict(kv.split("=", 1) for kv in args.env)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump(spec, fh)
-    spec_path = Path(fh.name)
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
-    load = []
-    try:
-        with load_run:
-            for rnd in range(args.rounds):
-                order = sides if rnd % 2 == 0 else sides[::-1]
-                for side in order:
-                    load.append(os.getloadavg()[0])
-                    print(f"[vs_trl] round {rnd + 1}/{args.rounds}: {side} (load {args.load}) ...", file=sys.stderr,
-                          flush=True)
-                    runs[side].append(_launch(side, spec_path, env_extra, args.timeout))
-                    runs[side][-1]["chains_per_step"] = spec["prompts_per_step"] * spec["group_size"]
-                    _print_run(side, runs[side][-1])
-    finally:
-        spec_path.unlink()
+
+    def record(side: str, run: dict) -> None:
+        run["chains_per_step"] = spec["prompts_per_step"] * spec["group_size"]
+        _print_run(side, run)
+
+    with load_run:
+        runs, load = alternate_rounds(spec, sides, args.rounds, env_extra, args.timeout, Path(__file__),
+                                      f"[vs_trl] (load {args.load})", record)
     summary = {s: summarise(runs[s], warmup=1) for s in sides}
     ratios = {}
     if len(sides) == 2:

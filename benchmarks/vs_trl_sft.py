@@ -424,21 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     label = results_label(cpu, spec["dtype"], args.load)
     out_path = args.out or ROOT / "benchmarks" / f"results_vs_trl_sft_{label}.json"
     env_extra = dict(kv.split("=", 1) for kv in args.env)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump(spec, fh)
-    spec_path = Path(fh.name)
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
-    load = []
-    try:
-        with load_run:
-            for rnd in range(args.rounds):
-                for side in sides if rnd % 2 == 0 else sides[::-1]:
-                    load.append(os.getloadavg()[0])
-                    print(f"[vs_trl_sft] round {rnd + 1}/{args.rounds}: {side} ...", file=sys.stderr, flush=True)
-                    runs[side].append(vs_trl._launch(side, spec_path, env_extra, args.timeout, Path(__file__)))
-                    _print_run(side, runs[side][-1])
-    finally:
-        spec_path.unlink()
+    with load_run:
+        runs, load = vs_trl.alternate_rounds(spec, sides, args.rounds, env_extra, args.timeout, Path(__file__),
+                                             "[vs_trl_sft]", _print_run)
     summary = {s: summarise(runs[s]) for s in sides}
     ratios, checks = {}, {}
     if len(sides) == 2:

@@ -192,7 +192,7 @@ def tooluse_metrics(prompt: dict[str, Any], correct: Sequence[bool], dims: Seque
     one chain of a chain method, ``CHAIN`` samples of a single-answer one), :func:`chain_best_at`; and, where the
     prompt records its ``generated_tokens``, **tokens per chain**: the tokens generated for ``CHAIN`` answers (a
     chain's length; ``CHAIN`` single answers' together), the length a missing last answer would shorten."""
-    from vpo_lightning.core.metrics import best_pick_correct_at_k
+    from vpo_lightning.core.metrics import best_pick_correct_at_k, pass_at_k
 
     rewards = prompt["rewards"]
     n = len(rewards)
@@ -202,7 +202,7 @@ def tooluse_metrics(prompt: dict[str, Any], correct: Sequence[bool], dims: Seque
     solved = sum(map(bool, correct))
     out: dict[str, float] = {}
     for k in ks:
-        out[f"checker_pass@{k}"] = 1.0 - _none_of(n, solved, k)
+        out[f"checker_pass@{k}"] = pass_at_k(n, solved, k)
         out[f"best_correct@{k}"] = best_pick_correct_at_k(f, correct, k)
     for d, name in enumerate(dims):
         out[f"mean_{name}"] = sum(r[d] for r in rewards) / n

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +306,8 @@ def run_trl(spec: dict, partial: Path | None = None) -> dict:
 
 # ----------------------------------------------------------------------------------------------- parent
 def alternate_rounds(spec: dict, sides: list[str], rounds: int, env_extra: dict[str, str], timeout: float,
-                     script: Path, tag: str, record: Any) -> tuple[dict[str, list[dict]], list[float]]:
+                     script: Path, tag: str,
+                     record: Callable[[str, dict], None]) -> tuple[dict[str, list[dict]], list[float]]:
     """Each side's worker ``rounds`` times, in alternating order (ours, TRL; then TRL, ours; ...), one subprocess a
     run, from one spec file; ``record(side, run)`` sees each run as it ends. Returns the runs per side and the
     1-minute load average at each launch."""
